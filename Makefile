@@ -1,0 +1,51 @@
+# coevo — `make run` runs the embedded default end to end; `make test` runs the test suite.
+# Both create .venv and install everything on first use.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Re-install when the pins change.
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-10)
+CONFIG ?= configs/arith.yaml
+WORKDIR ?= workdir
+export PREFECT_HOME ?= $(CURDIR)/$(WORKDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_LOGGING_LEVEL ?= INFO
+export MLFLOW_ENABLE_TELEMETRY ?= false
+export DO_NOT_TRACK ?= 1
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install run test test-fast ui-prefect ui-mlflow clean bench
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	# torch first and pinned: the CPU wheel; a looser spec pulls a CUDA build of several GB
+	$(BIN)/python -m pip install -q "torch==2.13.0" -c constraints.txt
+	$(BIN)/python -m pip install -q -e ".[test]" -c constraints.txt
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/coevo run --config $(CONFIG)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+ui-mlflow: $(STAMP)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/$(WORKDIR)/mlflow.db --host 127.0.0.1 --port 5000
+
+ui-prefect: $(STAMP)
+	$(BIN)/prefect server start --host 127.0.0.1 --port 4200
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/plain_loop.py
+
+clean:
+	rm -rf $(WORKDIR)

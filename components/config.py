@@ -1,0 +1,263 @@
+"""Experiment configuration: one typed section per stage, loaded from YAML with dotted overrides.
+
+    from components.config import load_config
+    cfg = load_config("configs/arith.yaml", overrides=["rounds=2", "train_policy.steps=50"])
+
+Unknown keys and wrong types fail at load time with the field path and what was expected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+STAGES = ("generate", "verify", "score", "filter", "train_policy", "train_reward", "evaluate")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the file and field."""
+
+
+class _Section(BaseModel):
+    # extra="forbid": a typo in a key is an error, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DomainConfig(_Section):
+    name: str = Field("arith", description="Domain: 'arith', 'gsm8k', or a dotted path 'pkg.module:Class'.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the domain's constructor.")
+
+
+class TinyModelConfig(_Section):
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(384, ge=8)
+    max_position_embeddings: int = Field(256, ge=16)
+
+
+class PolicyConfig(_Section):
+    model: str | None = Field(
+        None, description="HF model name or local path. Null bootstraps a tiny Llama from scratch (round 0)."
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the from-scratch model.")
+
+
+class BootstrapConfig(_Section):
+    """Round 0: supervised training on gold demonstrations before self-improvement starts."""
+
+    levels: list[int] = Field(default_factory=lambda: [1, 2], description="Levels with full demonstrations.")
+    problems_per_level: int = Field(2000, ge=1)
+    seed_levels: list[int] = Field(
+        default_factory=lambda: [3, 4, 5, 6],
+        description="Harder levels given a few seed demonstrations: length extrapolation does not come free.",
+    )
+    seed_fraction: float = Field(0.03, ge=0.0, le=1.0, description="Seed demos as a fraction of all demos.")
+    steps: int = Field(600, ge=0)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(2e-3, gt=0)
+
+
+class GenerateConfig(_Section):
+    backend: Literal["hf", "vllm", "openai"] = "hf"
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="Extra options for the backend.")
+    problems_per_level: int = Field(200, ge=1, description="Problems sampled per curriculum level per round.")
+    samples_per_problem: int = Field(4, ge=1)
+    temperature: float = Field(0.8, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(96, ge=1)
+    batch_size: int = Field(256, ge=1)
+
+
+class VerifyConfig(_Section):
+    verifier: str | None = Field(None, description="Dotted path to a verifier function; null uses the domain's.")
+
+
+class ScoreConfig(_Section):
+    reward_model: Literal["none", "prm", "orm"] = Field("none", description="'none' scores by verifier outcome.")
+
+
+class FilterConfig(_Section):
+    keep: Literal["correct"] = "correct"
+    dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
+    max_per_problem: int = Field(4, ge=1)
+
+
+class TrainPolicyConfig(_Section):
+    method: Literal["sft"] = "sft"
+    init: Literal["previous", "base"] = Field(
+        "previous", description="Continue from the previous round's policy, or restart from the round-0 model (ReST-EM)."
+    )
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    data_window: int = Field(
+        1, ge=1, description="Train on the selections of the last N rounds (1: this round only)."
+    )
+
+
+class TrainRewardConfig(_Section):
+    enabled: bool = False
+
+
+class EvaluateConfig(_Section):
+    levels: list[int] | None = Field(None, description="Levels to evaluate; null means all domain levels.")
+    problems_per_level: int = Field(100, ge=1, description="Held-out problems per level (from the fixed test set).")
+    maj_k: int = Field(4, ge=1, description="Samples per problem for maj@k.")
+    temperature: float = Field(0.8, ge=0.0, description="Sampling temperature for maj@k.")
+    max_new_tokens: int = Field(96, ge=1)
+
+
+class CurriculumConfig(_Section):
+    """Pick levels near the edge of learnability: pass rate neither near 0 nor near 1."""
+
+    low: float = Field(0.03, ge=0.0, le=1.0)
+    high: float = Field(0.95, ge=0.0, le=1.0)
+    max_levels: int = Field(3, ge=1, description="At most this many levels per round, hardest-learnable first.")
+
+    @model_validator(mode="after")
+    def _order(self) -> CurriculumConfig:
+        if self.low >= self.high:
+            raise ValueError(f"curriculum.low ({self.low}) must be below curriculum.high ({self.high})")
+        return self
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    tracking_uri: str | None = Field(
+        None, description="MLflow URI; null uses $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db."
+    )
+    experiment_name: str | None = Field(None, description="MLflow experiment; null uses the experiment name.")
+
+
+class ExperimentConfig(_Section):
+    experiment: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name; names the workdir folder.")
+    seed: int = 0
+    workdir: str = Field("workdir", description="Root for stage outputs, the DuckDB store and the MLflow store.")
+    recipe: Literal["rft"] = Field("rft", description="'rft': outcome filter only (STaR / ReST-EM).")
+    rounds: int = Field(4, ge=0, description="Self-improvement rounds after round 0 (bootstrap).")
+    stage_timeout_s: int = Field(3600, ge=1)
+    stage_retries: int = Field(1, ge=0, description="Retries for transient stage failures (killed process, OOM).")
+    domain: DomainConfig = Field(default_factory=DomainConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    verify: VerifyConfig = Field(default_factory=VerifyConfig)
+    score: ScoreConfig = Field(default_factory=ScoreConfig)
+    filter: FilterConfig = Field(default_factory=FilterConfig)
+    train_policy: TrainPolicyConfig = Field(default_factory=TrainPolicyConfig)
+    train_reward: TrainRewardConfig = Field(default_factory=TrainRewardConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_not_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("workdir must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _scoring_needs_reward_model(self) -> ExperimentConfig:
+        if self.score.reward_model != "none" and not self.train_reward.enabled:
+            raise ValueError(
+                f"score.reward_model={self.score.reward_model!r} needs a reward model: set train_reward.enabled=true"
+            )
+        return self
+
+    # -- derived -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def config_hash(self) -> str:
+        """Stable hash over the semantic content (key order and YAML formatting do not matter)."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def flat(self) -> dict[str, Any]:
+        """Flattened `a.b.c -> value` view, for MLflow params."""
+        return flatten(self.to_dict())
+
+    @property
+    def experiment_dir(self) -> Path:
+        return Path(self.workdir) / self.experiment
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.workdir) / "coevo.duckdb"
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {path}: unknown key (check the spelling; see `coevo config-schema`)")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {path}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply `a.b.c=value`; the value is parsed as YAML, so `2`, `true`, `[1,2]` get their types."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected KEY=VALUE, e.g. train_policy.steps=100")
+    key, raw = override.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {override!r}: empty key segment")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: value is not valid YAML: {e}") from e
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config_dict(data: dict[str, Any], source: str = "<dict>", overrides: list[str] | None = None) -> ExperimentConfig:
+    data = json.loads(json.dumps(data))  # deep copy, and rejects non-JSON values early
+    for o in overrides or []:
+        apply_override(data, o)
+    try:
+        return ExperimentConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"malformed YAML in {path}{where}: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections at the top level, got {type(data).__name__}")
+    return load_config_dict(data, source=str(path), overrides=overrides)

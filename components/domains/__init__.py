@@ -1,0 +1,30 @@
+"""Domains: problems, prompt format, step segmentation, answer extraction, verifier, oracle labels.
+
+    >>> get_domain("arith", max_level=2).levels()
+    [1, 2]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from components.domains.base import Domain, Problem, problem_id
+from components.instantiate import locate
+
+# Dotted paths, imported on demand: building `arith` should not pay for importing `datasets`.
+DOMAINS: dict[str, str] = {
+    "arith": "components.domains.arith:ArithDomain",
+    "gsm8k": "components.domains.gsm8k:Gsm8kDomain",
+}
+
+
+def get_domain(name: str, **options: Any) -> Domain:
+    """Build a registered domain by name, or a user domain by dotted path 'pkg.module:Class'."""
+    if name in DOMAINS:
+        return locate(DOMAINS[name])(**options)
+    if ":" in name:
+        return locate(name)(**options)
+    raise ValueError(f"unknown domain {name!r}: known domains are {sorted(DOMAINS)}, or give a dotted path 'pkg.module:Class'")
+
+
+__all__ = ["DOMAINS", "Domain", "Problem", "get_domain", "problem_id"]

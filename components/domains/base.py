@@ -1,0 +1,70 @@
+"""The `Domain` protocol and the `Problem` record every stage passes around.
+
+A domain supplies problems, a prompt format, step segmentation, answer extraction, a pure verifier
+and, where it has one, an oracle step labeler. Implementations: `arith.py`, `gsm8k.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+def problem_id(domain: str, prompt: str, answer: str) -> str:
+    """Content hash, so the same problem gets the same id in every round, process and machine.
+
+    >>> problem_id("arith", "3+4\\n", "7")
+    '9c35f1994a2057fa'
+    """
+    return hashlib.sha256(f"{domain}\x1f{prompt}\x1f{answer}".encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Problem:
+    problem_id: str  # problem_id(domain, prompt, answer): content hash, stable across runs
+    domain: str
+    level: int  # difficulty; its meaning is the domain's (arith: number of +/- operations)
+    prompt: str  # exactly the text fed to the model, already formatted
+    answer: str  # canonical final answer string, what `verify` compares against
+    # JSON-serialisable extras; kept out of ==/hash because the id already fixes the content.
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def make(cls, domain: str, level: int, prompt: str, answer: str, meta: dict[str, Any] | None = None) -> Problem:
+        return cls(problem_id(domain, prompt, answer), domain, level, prompt, answer, dict(meta or {}))
+
+
+@runtime_checkable
+class Domain(Protocol):
+    name: str
+
+    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
+        """`n` training problems, deterministic given `seed`, never in `test_set(level)`; unique where the space allows."""
+        ...
+
+    def test_set(self, level: int) -> list[Problem]:
+        """The fixed held-out set for `level`: identical across calls and processes."""
+        ...
+
+    def levels(self) -> list[int]:
+        ...
+
+    def reference_solution(self, problem: Problem) -> str:
+        """Gold worked solution: completion text only, no prompt, no EOS."""
+        ...
+
+    def split_steps(self, completion: str) -> list[str]:
+        """Segmented steps; the final answer line counts as the last step."""
+        ...
+
+    def extract_answer(self, completion: str) -> str | None:
+        ...
+
+    def verify(self, completions: list[str], references: list[str]) -> list[float | None]:
+        """Pure outcome verifier: 1.0 correct, 0.0 wrong, None not applicable."""
+        ...
+
+    def oracle_step_labels(self, problem: Problem, completion: str) -> list[bool] | None:
+        """Per step of `split_steps(completion)`: is it correct? None if the domain has no oracle."""
+        ...

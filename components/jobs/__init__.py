@@ -1,0 +1,1 @@
+"""Stage jobs: `python -m components.jobs <stage> --spec spec.json`."""

@@ -1,0 +1,110 @@
+"""Launch a stage job as a subprocess, stream its output, and commit what it published.
+
+This is the whole lifecycle of one attempt, in plain Python so it runs (and is tested) without
+Prefect: record the attempt as `running`, write the spec, run the job, then either commit its
+manifest in one transaction or mark the attempt `failed`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from components.config import ExperimentConfig
+from components.manifest import MANIFEST, ManifestError
+from components.planning import build_spec
+from components.store import StageRunRef, Store, StoreError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class StageJobError(RuntimeError):
+    """The job failed. `transient` is True when it was killed (signal, OOM, timeout), not when it raised."""
+
+    def __init__(self, message: str, returncode: int | None, transient: bool):
+        super().__init__(message)
+        self.returncode = returncode
+        self.transient = transient
+
+
+@dataclass
+class StageResult:
+    stage_run_id: str
+    round: int
+    stage: str
+    attempt: int
+    out_dir: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    duration_s: float = 0.0
+    rows: dict[str, int] = field(default_factory=dict)
+
+
+def job_command(stage: str, spec_path: Path) -> list[str]:
+    return [sys.executable, "-m", "components.jobs", stage, "--spec", str(spec_path)]
+
+
+def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+            on_start: Callable[[int], None] | None = None) -> None:
+    env = os.environ | {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(job_command(stage, spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, bufsize=1, env=env, cwd=REPO_ROOT)
+    if on_start:
+        on_start(proc.pid)
+    tail: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail[:] = (tail + [line])[-30:]
+            log(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(timeout=5)
+        raise StageJobError(f"stage {stage} timed out after {timeout_s:.0f}s", None, transient=True) from None
+    reader.join(timeout=30)
+    if rc != 0:
+        killed = rc < 0 or rc in (137, 143)
+        what = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
+        raise StageJobError(f"stage {stage} job {what}:\n" + "\n".join(tail[-15:]), rc, transient=killed)
+
+
+def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: str, *, code_version: str | None,
+                      log: Callable[[str], None] = print, task_run_id: str | None = None) -> StageResult:
+    """Run one new attempt of a stage and commit it. Raises StageJobError/ManifestError on failure."""
+    attempt = store.next_attempt(cfg.experiment, round, stage)
+    ref = StageRunRef(cfg.experiment, round, stage, attempt)
+    spec = build_spec(cfg, store, round, stage, attempt, code_version)
+    out_dir = Path(spec.out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    spec_path = out_dir.with_name(out_dir.name + ".spec.json")
+    spec_path.write_text(spec.to_json())
+    store.start_stage_run(ref, str(out_dir), spec.to_json(), spec.config_hash, spec.seed, task_run_id)
+    t0 = time.perf_counter()
+    log(f"{ref.stage_run_id}: starting job (seed {spec.seed})")
+    try:
+        run_job(stage, spec_path, log, cfg.stage_timeout_s)
+        manifest = store.commit(ref, out_dir / MANIFEST)
+    except (StageJobError, ManifestError, StoreError) as e:
+        store.fail_stage_run(ref, str(e))
+        raise
+    except BaseException as e:  # KeyboardInterrupt, cancellation: never leave `running` behind
+        store.fail_stage_run(ref, f"interrupted: {type(e).__name__}: {e}")
+        raise
+    dt = time.perf_counter() - t0
+    log(f"{ref.stage_run_id}: committed in {dt:.1f}s " + ", ".join(f"{o['table']}={o['rows']}" for o in manifest.outputs))
+    return StageResult(ref.stage_run_id, round, stage, attempt, str(out_dir), dict(manifest.metrics), dt,
+                       {o["table"]: o["rows"] for o in manifest.outputs})

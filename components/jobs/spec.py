@@ -1,0 +1,80 @@
+"""The stage job spec: everything a job needs, by reference. It crosses the process boundary as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from components.config import ExperimentConfig, load_config_dict
+
+
+class SpecError(ValueError):
+    pass
+
+
+@dataclass
+class InputRef:
+    """A committed upstream stage run and its Parquet parts, per table."""
+
+    round: int
+    stage: str
+    stage_run_id: str
+    dir: str
+    manifest_sha256: str
+    tables: dict[str, list[str]]
+
+
+@dataclass
+class StageSpec:
+    experiment: str
+    round: int
+    stage: str
+    attempt: int
+    out_dir: str
+    seed: int
+    config: dict[str, Any]
+    config_hash: str
+    code_version: str | None = None
+    inputs: list[InputRef] = field(default_factory=list)
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def stage_run_id(self) -> str:
+        return f"{self.experiment}/r{self.round}/{self.stage}/a{self.attempt}"
+
+    def cfg(self) -> ExperimentConfig:
+        return load_config_dict(self.config, source=f"spec of {self.stage_run_id}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> StageSpec:
+        path = Path(path)
+        if not path.is_file():
+            raise SpecError(f"spec file not found: {path}")
+        try:
+            body = json.loads(path.read_text())
+            body["inputs"] = [InputRef(**i) for i in body.get("inputs", [])]
+            return cls(**body)
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise SpecError(f"{path}: not a valid stage spec: {e}") from None
+
+    def read(self, stage: str, table: str, round: int | None = None) -> pa.Table:
+        """Concatenate the committed parts of `table` from upstream `stage` (this round unless given)."""
+        want = self.round if round is None else round
+        refs = [i for i in self.inputs if i.stage == stage and i.round == want]
+        if not refs:
+            raise SpecError(f"{self.stage_run_id}: spec has no committed input {stage!r} for round {want}")
+        paths = [p for r in refs for p in r.tables.get(table, [])]
+        if not paths:
+            raise SpecError(f"{self.stage_run_id}: input {stage!r} of round {want} has no table {table!r}")
+        return pa.concat_tables([pq.read_table(p) for p in paths])
+
+    def rows(self, stage: str, table: str, round: int | None = None) -> list[dict[str, Any]]:
+        return self.read(stage, table, round).to_pylist()

@@ -1,0 +1,116 @@
+"""Which committed outputs a stage reads: the dataflow of a round, resolved against the store.
+
+Stage jobs never open the store, so the caller resolves every input to committed Parquet paths
+and model URIs here and writes them into the job's spec.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from components.config import ExperimentConfig
+from components.jobs.spec import InputRef, StageSpec
+from components.manifest import read_manifest
+from components.seeding import derive_seed
+from components.store import Store
+
+# Upstream stages (same round) each stage reads.
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "generate": (),
+    "verify": ("generate",),
+    "score": ("generate", "verify"),
+    "filter": ("generate", "verify", "score"),
+    "train_policy": (),
+    "train_reward": ("generate", "verify", "score"),
+    "evaluate": ("train_policy",),
+}
+
+
+class PlanningError(RuntimeError):
+    """An upstream stage has no committed attempt; the stage cannot run yet."""
+
+
+def round_stages(cfg: ExperimentConfig, round: int) -> list[str]:
+    if round == 0:
+        return ["train_policy", "evaluate"]
+    stages = ["generate", "verify", "score", "filter", "train_policy", "evaluate"]
+    if cfg.train_reward.enabled:
+        stages.insert(stages.index("filter"), "train_reward")
+    return stages
+
+
+def input_ref(store: Store, experiment: str, round: int, stage: str) -> InputRef:
+    run = store.committed_run(experiment, round, stage)
+    if run is None:
+        raise PlanningError(f"{experiment} round {round}: stage {stage!r} has no committed attempt")
+    out_dir = Path(run["out_dir"])
+    m = read_manifest(out_dir / "manifest.json")
+    if m.sha256 != run["manifest_sha256"]:
+        raise PlanningError(
+            f"{out_dir}/manifest.json changed after it was committed (sha256 {m.sha256[:12]}… vs "
+            f"{run['manifest_sha256'][:12]}…): the committed output was tampered with"
+        )
+    tables: dict[str, list[str]] = {}
+    for o in m.outputs:
+        tables.setdefault(o["table"], []).append(str(out_dir / o["path"]))
+    return InputRef(round=round, stage=stage, stage_run_id=run["stage_run_id"], dir=str(out_dir),
+                    manifest_sha256=run["manifest_sha256"], tables=tables)
+
+
+def committed_model(store: Store, experiment: str, round: int, role: str = "policy") -> dict[str, Any]:
+    rows = store.rows(
+        "SELECT m.* FROM models m JOIN stage_runs s USING (stage_run_id) "
+        "WHERE m.experiment_id=? AND m.round=? AND m.role=? AND s.status='committed'",
+        [experiment, round, role],
+    )
+    if not rows:
+        raise PlanningError(f"{experiment} round {round}: no committed {role} model")
+    return rows[0]
+
+
+def level_pass_rates(store: Store, experiment: str, round: int) -> dict[int, float]:
+    rows = store.rows(
+        "SELECT level, value FROM evaluations e JOIN stage_runs s USING (stage_run_id) "
+        "WHERE e.experiment_id=? AND e.round=? AND metric='greedy_acc' AND level >= 0 AND s.status='committed'",
+        [experiment, round],
+    )
+    if not rows:
+        raise PlanningError(f"{experiment} round {round}: no committed evaluation to plan the curriculum from")
+    return {int(r["level"]): float(r["value"]) for r in rows}
+
+
+def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, attempt: int,
+               code_version: str | None, out_dir: Path | None = None) -> StageSpec:
+    exp = cfg.experiment
+    out_dir = out_dir or cfg.experiment_dir / f"r{round}" / stage / f"a{attempt}"
+    inputs = [input_ref(store, exp, round, s) for s in UPSTREAM[stage]]
+    params: dict[str, Any] = {}
+    if stage == "generate":
+        levels = json.loads(store.rows("SELECT levels_json FROM round_plans WHERE experiment_id=? AND round=?",
+                                       [exp, round])[0]["levels_json"])
+        policy = committed_model(store, exp, round - 1)
+        params |= {"levels": levels, "policy_uri": policy["uri"], "policy_model_id": policy["model_id"],
+                   "problem_seeds": {str(lv): derive_seed(cfg.seed, round, "problems", lv) for lv in levels}}
+    elif stage == "train_policy":
+        if round == 0:
+            params["init_uri"] = cfg.policy.model
+            params["parent_model_id"] = None
+        else:
+            parent_round = round - 1 if cfg.train_policy.init == "previous" else 0
+            parent = committed_model(store, exp, parent_round)
+            params["init_uri"] = parent["uri"]
+            params["parent_model_id"] = parent["model_id"]
+            rounds = list(range(max(1, round - cfg.train_policy.data_window + 1), round + 1))
+            params["selection_rounds"] = rounds
+            for r in rounds:
+                inputs += [input_ref(store, exp, r, "generate"), input_ref(store, exp, r, "filter")]
+    elif stage == "evaluate":
+        policy = committed_model(store, exp, round)
+        params |= {"policy_uri": policy["uri"], "policy_model_id": policy["model_id"]}
+    return StageSpec(
+        experiment=exp, round=round, stage=stage, attempt=attempt, out_dir=str(out_dir),
+        seed=derive_seed(cfg.seed, round, stage), config=cfg.to_dict(), config_hash=cfg.config_hash(),
+        code_version=code_version, inputs=inputs, params=params,
+    )

@@ -1,0 +1,524 @@
+"""The DuckDB trajectory store: schema, commit-by-manifest, and read-only queries.
+
+    from components.store import Store
+    store = Store("workdir/coevo.duckdb")
+    store.query("SELECT * FROM v_round_summary")
+
+DuckDB lets no other process open the file while a read-write connection is held, readers included.
+So the writer (the flow) connects only for the moment of a commit, and readers open read-only and
+retry briefly on the lock. Stage jobs never open this file: they read committed Parquet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from components.manifest import Manifest, ManifestError, verify_manifest
+
+# Columns are decided here even for tables that later stages fill (reward models, DPO pairs).
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS experiments (
+    experiment_id  VARCHAR PRIMARY KEY,
+    config_json    VARCHAR NOT NULL,
+    config_hash    VARCHAR NOT NULL,
+    seed           BIGINT NOT NULL,
+    recipe         VARCHAR NOT NULL,
+    code_version   VARCHAR,
+    created_at     TIMESTAMP DEFAULT current_timestamp
+);
+CREATE TABLE IF NOT EXISTS stage_runs (
+    stage_run_id     VARCHAR PRIMARY KEY,   -- <experiment>/r<round>/<stage>/a<attempt>
+    experiment_id    VARCHAR NOT NULL,
+    round            INTEGER NOT NULL,
+    stage            VARCHAR NOT NULL,
+    attempt          INTEGER NOT NULL,
+    status           VARCHAR NOT NULL,      -- running | committed | failed | superseded
+    stale            BOOLEAN DEFAULT false, -- an upstream stage of the round was rerun after this committed
+    out_dir          VARCHAR,
+    spec_json        VARCHAR,
+    manifest_sha256  VARCHAR,
+    config_hash      VARCHAR,
+    seed             BIGINT,
+    rows_json        VARCHAR,
+    metrics_json     VARCHAR,
+    started_at       TIMESTAMP,
+    finished_at      TIMESTAMP,
+    duration_s       DOUBLE,
+    error            VARCHAR,
+    pid              INTEGER,
+    mlflow_run_id    VARCHAR,
+    prefect_task_run_id VARCHAR
+);
+CREATE TABLE IF NOT EXISTS problems (
+    problem_id  VARCHAR PRIMARY KEY,        -- content hash
+    domain      VARCHAR NOT NULL,
+    level       INTEGER,
+    prompt      VARCHAR NOT NULL,
+    answer      VARCHAR NOT NULL,
+    meta_json   VARCHAR,
+    split       VARCHAR                      -- train | test
+);
+CREATE TABLE IF NOT EXISTS trajectories (
+    trajectory_id   VARCHAR PRIMARY KEY,
+    experiment_id   VARCHAR NOT NULL,
+    round           INTEGER NOT NULL,
+    purpose         VARCHAR NOT NULL,        -- train (generate stage) | eval (evaluate stage)
+    problem_id      VARCHAR NOT NULL,
+    level           INTEGER,
+    policy_model_id VARCHAR,
+    sample_index    INTEGER NOT NULL,
+    prompt          VARCHAR NOT NULL,
+    completion      VARCHAR NOT NULL,
+    answer          VARCHAR,                 -- extracted final answer, NULL if none
+    num_tokens      INTEGER NOT NULL,
+    finish_reason   VARCHAR,
+    temperature     DOUBLE,
+    top_p           DOUBLE,
+    max_new_tokens  INTEGER,
+    seed            BIGINT,
+    stage_run_id    VARCHAR NOT NULL
+);
+CREATE TABLE IF NOT EXISTS steps (
+    trajectory_id VARCHAR NOT NULL,
+    step_index    INTEGER NOT NULL,
+    text          VARCHAR NOT NULL,
+    stage_run_id  VARCHAR NOT NULL,
+    PRIMARY KEY (trajectory_id, step_index)
+);
+CREATE TABLE IF NOT EXISTS verifications (
+    trajectory_id    VARCHAR NOT NULL,
+    verifier         VARCHAR NOT NULL,
+    verifier_version VARCHAR NOT NULL,
+    correct          BOOLEAN,                -- NULL: verifier not applicable
+    reward           DOUBLE,
+    detail           VARCHAR,
+    stage_run_id     VARCHAR NOT NULL,
+    PRIMARY KEY (trajectory_id, verifier)
+);
+CREATE TABLE IF NOT EXISTS step_labels (
+    trajectory_id VARCHAR NOT NULL,
+    step_index    INTEGER NOT NULL,
+    source        VARCHAR NOT NULL,          -- mc_hard | mc_soft | oracle | judge | implicit
+    value         DOUBLE NOT NULL,
+    num_rollouts  INTEGER,
+    stage_run_id  VARCHAR NOT NULL,
+    PRIMARY KEY (trajectory_id, step_index, source)
+);
+CREATE TABLE IF NOT EXISTS scores (
+    trajectory_id  VARCHAR NOT NULL,
+    scorer         VARCHAR NOT NULL,         -- outcome | prm | orm | implicit_prm
+    model_id       VARCHAR,                  -- reward model version, NULL for the verifier outcome
+    step_index     INTEGER NOT NULL,         -- -1: the whole trajectory
+    aggregate      VARCHAR NOT NULL,         -- step | min | last | mean | outcome
+    value          DOUBLE NOT NULL,
+    stage_run_id   VARCHAR NOT NULL,
+    PRIMARY KEY (trajectory_id, scorer, step_index, aggregate)
+);
+CREATE TABLE IF NOT EXISTS selections (
+    trajectory_id VARCHAR NOT NULL,
+    experiment_id VARCHAR NOT NULL,
+    round         INTEGER NOT NULL,
+    purpose       VARCHAR NOT NULL,          -- policy_sft | dpo_chosen | dpo_rejected | reward_train
+    selected      BOOLEAN NOT NULL,
+    rank          INTEGER,
+    reason        VARCHAR NOT NULL,
+    pair_id       VARCHAR,
+    stage_run_id  VARCHAR NOT NULL,
+    PRIMARY KEY (trajectory_id, purpose)
+);
+CREATE TABLE IF NOT EXISTS models (
+    model_id         VARCHAR PRIMARY KEY,    -- <experiment>/<role>/r<round>
+    experiment_id    VARCHAR NOT NULL,
+    role             VARCHAR NOT NULL,       -- policy | prm | orm
+    round            INTEGER NOT NULL,
+    uri              VARCHAR NOT NULL,
+    sha256           VARCHAR NOT NULL,
+    parent_model_id  VARCHAR,
+    train_examples   INTEGER,
+    mlflow_run_id    VARCHAR,
+    registered_name  VARCHAR,
+    registered_version VARCHAR,
+    stage_run_id     VARCHAR NOT NULL
+);
+CREATE TABLE IF NOT EXISTS evaluations (
+    experiment_id VARCHAR NOT NULL,
+    round         INTEGER NOT NULL,
+    model_id      VARCHAR NOT NULL,
+    level         INTEGER NOT NULL,          -- -1: all levels
+    metric        VARCHAR NOT NULL,          -- greedy_acc | maj@k | ...
+    value         DOUBLE NOT NULL,
+    n             INTEGER NOT NULL,
+    stage_run_id  VARCHAR NOT NULL,
+    PRIMARY KEY (experiment_id, round, level, metric)
+);
+CREATE TABLE IF NOT EXISTS round_plans (
+    experiment_id VARCHAR NOT NULL,
+    round         INTEGER NOT NULL,
+    levels_json   VARCHAR NOT NULL,          -- curriculum decision for the round
+    reason        VARCHAR,
+    PRIMARY KEY (experiment_id, round)
+);
+"""
+
+VIEWS = """
+CREATE OR REPLACE VIEW v_round_summary AS
+WITH gen AS (
+    SELECT t.experiment_id, t.round, count(*) AS generated, sum(t.num_tokens) AS generated_tokens,
+           count(DISTINCT t.problem_id) AS problems
+    FROM trajectories t WHERE t.purpose = 'train' GROUP BY ALL
+), ver AS (
+    SELECT t.experiment_id, t.round, avg(CASE WHEN v.correct THEN 1.0 ELSE 0.0 END) AS train_pass_rate
+    FROM trajectories t JOIN verifications v USING (trajectory_id)
+    WHERE t.purpose = 'train' GROUP BY ALL
+), sel AS (
+    SELECT experiment_id, round, count(*) FILTER (WHERE selected) AS selected
+    FROM selections WHERE purpose = 'policy_sft' GROUP BY ALL
+), ev AS (
+    SELECT experiment_id, round,
+           max(value) FILTER (WHERE metric = 'greedy_acc' AND level = -1) AS greedy_acc,
+           max(value) FILTER (WHERE metric LIKE 'maj@%' AND level = -1) AS maj_acc
+    FROM evaluations GROUP BY ALL
+), lv AS (
+    SELECT experiment_id, round,
+           map_from_entries(list(struct_pack(k := level, v := round(value, 4)) ORDER BY level)) AS greedy_acc_by_level
+    FROM evaluations WHERE metric = 'greedy_acc' AND level >= 0 GROUP BY ALL
+)
+SELECT ev.experiment_id, ev.round, p.levels_json AS curriculum_levels,
+       coalesce(gen.generated, 0) AS generated, coalesce(gen.generated_tokens, 0) AS generated_tokens,
+       ver.train_pass_rate, coalesce(sel.selected, 0) AS selected,
+       ev.greedy_acc, ev.maj_acc, lv.greedy_acc_by_level
+FROM ev
+LEFT JOIN gen USING (experiment_id, round)
+LEFT JOIN ver USING (experiment_id, round)
+LEFT JOIN sel USING (experiment_id, round)
+LEFT JOIN lv USING (experiment_id, round)
+LEFT JOIN round_plans p USING (experiment_id, round)
+ORDER BY ev.experiment_id, ev.round;
+
+CREATE OR REPLACE VIEW v_trajectory_scores AS
+SELECT t.experiment_id, t.round, t.trajectory_id, t.problem_id, t.level, t.sample_index, t.num_tokens,
+       v.correct,
+       max(s.value) FILTER (WHERE s.aggregate = 'outcome') AS outcome_score,
+       max(s.value) FILTER (WHERE s.aggregate = 'min') AS min_step_score,
+       max(s.value) FILTER (WHERE s.aggregate = 'last') AS last_step_score,
+       max(s.value) FILTER (WHERE s.aggregate = 'mean') AS mean_step_score
+FROM trajectories t
+LEFT JOIN verifications v USING (trajectory_id)
+LEFT JOIN scores s USING (trajectory_id)
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_stage_timings AS
+SELECT experiment_id, round, stage, attempt, status, stale, duration_s, started_at, finished_at
+FROM stage_runs ORDER BY experiment_id, round, started_at;
+
+CREATE OR REPLACE VIEW v_lineage AS
+-- Which trajectories, selected by which filter decision, trained which model, and who generated them.
+SELECT m.experiment_id, m.model_id AS trained_model_id, m.round AS trained_round, m.role,
+       sel.trajectory_id, sel.round AS selection_round, sel.purpose AS selected_for,
+       sel.reason AS selection_reason, sel.stage_run_id AS selection_stage_run_id,
+       t.purpose AS trajectory_purpose, t.policy_model_id AS generated_by_model_id, t.problem_id, t.level
+FROM models m
+JOIN stage_runs sr ON sr.stage_run_id = m.stage_run_id
+JOIN selections sel ON sel.experiment_id = m.experiment_id AND sel.selected AND sel.purpose = 'policy_sft'
+     AND m.role = 'policy'
+     AND (sel.round = m.round AND m.round = 0
+          OR list_contains(CAST(json_extract(sr.spec_json, '$.params.selection_rounds') AS INTEGER[]), sel.round))
+JOIN trajectories t USING (trajectory_id);
+"""
+
+# Data tables carry stage_run_id; a commit replaces the rows of the superseded attempt.
+DATA_TABLES = (
+    "problems", "trajectories", "steps", "verifications", "step_labels",
+    "scores", "selections", "models", "evaluations",
+)
+_WRITE_SQL = re.compile(
+    r"^\s*(insert|update|delete|create|drop|alter|copy|attach|detach|install|load|pragma|set|call|checkpoint"
+    r"|vacuum|export|import|truncate|begin|commit|rollback|merge|replace)\b",
+    re.IGNORECASE,
+)
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; nothing was committed."""
+
+
+class StoreLockedError(StoreError):
+    pass
+
+
+@dataclass(frozen=True)
+class StageRunRef:
+    experiment: str
+    round: int
+    stage: str
+    attempt: int
+
+    @property
+    def stage_run_id(self) -> str:
+        return f"{self.experiment}/r{self.round}/{self.stage}/a{self.attempt}"
+
+
+def _connect(path: Path, read_only: bool, timeout_s: float = 10.0) -> duckdb.DuckDBPyConnection:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.05
+    while True:
+        try:
+            return duckdb.connect(str(path), read_only=read_only)
+        except duckdb.IOException as e:
+            if "lock" not in str(e).lower() or time.monotonic() > deadline:
+                if "lock" in str(e).lower():
+                    raise StoreLockedError(
+                        f"store {path} is locked by another process (a commit in progress?) after {timeout_s:.0f}s: {e}"
+                    ) from None
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+
+class Store:
+    def __init__(self, path: str | Path, lock_timeout_s: float = 30.0):
+        self.path = Path(path)
+        self.lock_timeout_s = lock_timeout_s
+
+    # -- connections -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def writer(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        """A short-lived read-write connection; hold it only for one commit."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = _connect(self.path, read_only=False, timeout_s=self.lock_timeout_s)
+        try:
+            con.execute(SCHEMA)
+            con.execute(VIEWS)
+            yield con
+        finally:
+            con.close()
+
+    @contextlib.contextmanager
+    def reader(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        if not self.path.exists():
+            raise StoreError(f"no store at {self.path}: run an experiment first (coevo run)")
+        con = _connect(self.path, read_only=True, timeout_s=self.lock_timeout_s)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    def init(self) -> None:
+        with self.writer():
+            pass
+
+    # -- reads -----------------------------------------------------------------------
+    def query(self, sql: str, params: list[Any] | None = None) -> tuple[list[str], list[tuple]]:
+        """Run a read-only query; write statements are refused before they reach DuckDB."""
+        if _WRITE_SQL.match(sql):
+            raise StoreError(f"coevo query is read-only; refused: {sql.strip().split()[0].upper()} statement")
+        with self.reader() as con:
+            try:
+                cur = con.execute(sql, params or [])
+            except duckdb.Error as e:
+                raise StoreError(f"{type(e).__name__}: {e}\nquery: {sql}") from None
+            cols = [d[0] for d in cur.description] if cur.description else []
+            return cols, cur.fetchall()
+
+    def query_arrow(self, sql: str, params: list[Any] | None = None):
+        if _WRITE_SQL.match(sql):
+            raise StoreError(f"coevo query is read-only; refused: {sql.strip().split()[0].upper()} statement")
+        with self.reader() as con:
+            try:
+                return con.execute(sql, params or []).arrow()
+            except duckdb.Error as e:
+                raise StoreError(f"{type(e).__name__}: {e}\nquery: {sql}") from None
+
+    def rows(self, sql: str, params: list[Any] | None = None) -> list[dict[str, Any]]:
+        cols, rows = self.query(sql, params)
+        return [dict(zip(cols, r)) for r in rows]
+
+    def committed_run(self, experiment: str, round: int, stage: str) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return None
+        rows = self.rows(
+            "SELECT * FROM stage_runs WHERE experiment_id=? AND round=? AND stage=? AND status='committed'",
+            [experiment, round, stage],
+        )
+        return rows[0] if rows else None
+
+    def stage_runs(self, experiment: str) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return self.rows(
+            "SELECT * FROM stage_runs WHERE experiment_id=? ORDER BY round, started_at, attempt", [experiment]
+        )
+
+    def next_attempt(self, experiment: str, round: int, stage: str) -> int:
+        if not self.path.exists():
+            return 1
+        _, rows = self.query(
+            "SELECT coalesce(max(attempt), 0) FROM stage_runs WHERE experiment_id=? AND round=? AND stage=?",
+            [experiment, round, stage],
+        )
+        return int(rows[0][0]) + 1
+
+    def table_hashes(self, experiment: str) -> dict[str, tuple[int, str]]:
+        """(row count, content hash) per data table for one experiment, independent of attempt numbers."""
+        out = {}
+        with self.reader() as con:
+            for table in DATA_TABLES:
+                cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall() if r[0] != "stage_run_id"]
+                where = _experiment_filter(table)
+                col_list = ", ".join(cols)
+                n, h = con.execute(
+                    f"SELECT count(*), coalesce(md5(string_agg(CAST(row({col_list}) AS VARCHAR), '|' "
+                    f"ORDER BY CAST(row({col_list}) AS VARCHAR))), '') FROM {table} WHERE {where}",
+                    [experiment],
+                ).fetchone()
+                out[table] = (int(n), h)
+        return out
+
+    # -- writes (the flow is the single writer) -------------------------------------------
+    def register_experiment(self, experiment: str, config_json: str, config_hash: str, seed: int, recipe: str,
+                            code_version: str | None) -> None:
+        with self.writer() as con:
+            row = con.execute("SELECT config_hash FROM experiments WHERE experiment_id=?", [experiment]).fetchone()
+            if row and row[0] != config_hash:
+                raise StoreError(
+                    f"experiment {experiment!r} already exists in {self.path} with config hash {row[0]}, "
+                    f"not {config_hash}: use a new experiment name, or resume it with its own config"
+                )
+            if not row:
+                con.execute(
+                    "INSERT INTO experiments (experiment_id, config_json, config_hash, seed, recipe, code_version) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    [experiment, config_json, config_hash, seed, recipe, code_version],
+                )
+
+    def set_round_plan(self, experiment: str, round: int, levels: list[int], reason: str) -> None:
+        with self.writer() as con:
+            con.execute(
+                "INSERT OR REPLACE INTO round_plans VALUES (?, ?, ?, ?)",
+                [experiment, round, json.dumps(levels), reason],
+            )
+
+    def start_stage_run(self, ref: StageRunRef, out_dir: str, spec_json: str, config_hash: str, seed: int,
+                        prefect_task_run_id: str | None = None) -> None:
+        with self.writer() as con:
+            con.execute(
+                "INSERT INTO stage_runs (stage_run_id, experiment_id, round, stage, attempt, status, out_dir, "
+                "spec_json, config_hash, seed, started_at, prefect_task_run_id) "
+                "VALUES (?, ?, ?, ?, ?, 'running', ?, ?, ?, ?, now(), ?)",
+                [ref.stage_run_id, ref.experiment, ref.round, ref.stage, ref.attempt, out_dir, spec_json,
+                 config_hash, seed, prefect_task_run_id],
+            )
+
+    def fail_stage_run(self, ref: StageRunRef, error: str) -> None:
+        with self.writer() as con:
+            con.execute(
+                "UPDATE stage_runs SET status='failed', error=?, finished_at=now(), "
+                "duration_s=epoch(now() - started_at) WHERE stage_run_id=?",
+                [error[-4000:], ref.stage_run_id],
+            )
+
+    def fail_dangling_runs(self, experiment: str) -> int:
+        """Mark attempts left `running` by a killed flow as failed (called at resume)."""
+        if not self.path.exists():
+            return 0
+        with self.writer() as con:
+            n = con.execute(
+                "SELECT count(*) FROM stage_runs WHERE experiment_id=? AND status='running'", [experiment]
+            ).fetchone()[0]
+            con.execute(
+                "UPDATE stage_runs SET status='failed', error='abandoned: the flow process ended before this "
+                "attempt finished', finished_at=now() WHERE experiment_id=? AND status='running'",
+                [experiment],
+            )
+            return int(n)
+
+    def commit(self, ref: StageRunRef, manifest_path: Path, mlflow_run_id: str | None = None) -> Manifest:
+        """Ingest a finished job's Parquet and flip statuses, all in one transaction.
+
+        The manifest is verified (file sizes and sha256) before anything is written, so a corrupt
+        or truncated part fails the commit with nothing visible.
+        """
+        manifest = verify_manifest(manifest_path)
+        if (manifest.experiment, manifest.round, manifest.stage, manifest.attempt) != (
+            ref.experiment, ref.round, ref.stage, ref.attempt,
+        ):
+            raise ManifestError(f"{manifest_path}: manifest is for {manifest.stage_run_id}, expected {ref.stage_run_id}")
+        out_dir = manifest_path.parent
+        with self.writer() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                prev = con.execute(
+                    "SELECT stage_run_id FROM stage_runs WHERE experiment_id=? AND round=? AND stage=? "
+                    "AND status='committed' AND stage_run_id <> ?",
+                    [ref.experiment, ref.round, ref.stage, ref.stage_run_id],
+                ).fetchall()
+                for (old_id,) in prev:
+                    for table in DATA_TABLES:
+                        if table != "problems":
+                            con.execute(f"DELETE FROM {table} WHERE stage_run_id = ?", [old_id])
+                    con.execute("UPDATE stage_runs SET status='superseded' WHERE stage_run_id=?", [old_id])
+                for out in manifest.outputs:
+                    part = str(out_dir / out["path"])
+                    table = out["table"]
+                    if table not in DATA_TABLES:
+                        raise ManifestError(f"{manifest_path}: unknown output table {table!r}")
+                    cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()]
+                    src_cols = [c for c in cols if c != "stage_run_id"]
+                    select = ", ".join(src_cols)
+                    verb = "INSERT OR IGNORE" if table == "problems" else "INSERT"
+                    con.execute(
+                        f"{verb} INTO {table} ({select}, stage_run_id) "
+                        f"SELECT {select}, ? FROM read_parquet(?)",
+                        [ref.stage_run_id, part],
+                    )
+                con.execute(
+                    "UPDATE stage_runs SET status='committed', stale=false, manifest_sha256=?, rows_json=?, "
+                    "metrics_json=?, finished_at=now(), duration_s=?, pid=?, mlflow_run_id=coalesce(?, mlflow_run_id), "
+                    "error=NULL WHERE stage_run_id=?",
+                    [manifest.sha256, json.dumps({o["table"]: o["rows"] for o in manifest.outputs}),
+                     json.dumps(manifest.metrics, sort_keys=True), manifest.timings.get("total_s"),
+                     manifest.pid, mlflow_run_id, ref.stage_run_id],
+                )
+                con.execute("COMMIT")
+            except Exception as e:
+                con.execute("ROLLBACK")
+                if isinstance(e, (ManifestError, StoreError)):
+                    raise
+                raise StoreError(f"commit of {ref.stage_run_id} failed, nothing committed: {e}") from e
+        return manifest
+
+    def mark_stale(self, experiment: str, round: int, stages: list[str]) -> None:
+        with self.writer() as con:
+            con.execute(
+                "UPDATE stage_runs SET stale=true WHERE experiment_id=? AND round=? AND status='committed' "
+                "AND list_contains(?, stage)",
+                [experiment, round, stages],
+            )
+
+    def set_mlflow_run(self, stage_run_id: str, mlflow_run_id: str) -> None:
+        with self.writer() as con:
+            con.execute("UPDATE stage_runs SET mlflow_run_id=? WHERE stage_run_id=?", [mlflow_run_id, stage_run_id])
+
+    def set_model_registration(self, model_id: str, name: str, version: str, mlflow_run_id: str | None) -> None:
+        with self.writer() as con:
+            con.execute(
+                "UPDATE models SET registered_name=?, registered_version=?, mlflow_run_id=? WHERE model_id=?",
+                [name, version, mlflow_run_id, model_id],
+            )
+
+
+def _experiment_filter(table: str) -> str:
+    if table == "problems":
+        return ("problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)")
+    if table in ("steps", "verifications", "step_labels", "scores"):
+        return "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ?)"
+    return "experiment_id = ?"

@@ -1,0 +1,193 @@
+"""The `coevo` command line.
+
+    coevo run --config configs/arith.yaml [--set rounds=2 --set train_policy.steps=100]
+    coevo status arith-default
+    coevo query "SELECT round, count(*) FROM trajectories GROUP BY 1"
+    coevo rerun arith-default --round 2 --stage score [--downstream]
+    coevo resume arith-default
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="coevo: self-improvement rounds for LMs.")
+console = Console()
+err = Console(stderr=True)
+
+WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", envvar="COEVO_WORKDIR", help="Experiment workdir.")]
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True)
+    raise typer.Exit(code)
+
+
+def _store(workdir: Path):
+    from components.store import Store
+
+    return Store(workdir / "coevo.duckdb")
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML.")] = Path("configs/arith.yaml"),
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. --set rounds=2.")] = None,
+) -> None:
+    """Run (or continue) all rounds of an experiment through the `self_evolution` flow."""
+    from components.config import ConfigError, load_config
+
+    overrides = list(set_ or [])
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    if cfg.policy.model and _looks_local(cfg.policy.model) and not Path(cfg.policy.model).exists():
+        _fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
+    _run_flow("self_evolution", config_path=str(config), overrides=overrides)
+    _print_summary(Path(cfg.workdir), cfg.experiment)
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
+
+
+def _run_flow(name: str, **params):
+    from components.locking import ExperimentLockedError
+    from components.store import StoreError
+    from flows import evolution
+
+    try:
+        return getattr(evolution, name)(**params)
+    except (ExperimentLockedError, StoreError, ValueError, FileNotFoundError) as e:
+        _fail(str(e), 2)
+    except Exception as e:  # the flow already logged the traceback
+        _fail(f"{name} failed: {type(e).__name__}: {e}", 1)
+
+
+def _print_summary(workdir: Path, experiment: str) -> None:
+    cols, rows = _store(workdir).query(
+        "SELECT round, curriculum_levels, generated, selected, round(greedy_acc, 3) AS greedy_acc, "
+        "greedy_acc_by_level FROM v_round_summary WHERE experiment_id=? ORDER BY round", [experiment])
+    _print_table(cols, rows, title=f"{experiment}: rounds")
+
+
+@app.command()
+def resume(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
+    """Continue an experiment from its first stage without a committed attempt."""
+    from flows.evolution import CONFIG_SNAPSHOT
+
+    snapshot = workdir / experiment / CONFIG_SNAPSHOT
+    if not snapshot.is_file():
+        _fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
+    _run_flow("self_evolution", config_path=str(snapshot), overrides=[])
+    _print_summary(workdir, experiment)
+
+
+@app.command()
+def rerun(
+    experiment: str,
+    round: Annotated[int, typer.Option("--round", "-r")],
+    stage: Annotated[str, typer.Option("--stage", "-s")],
+    downstream: Annotated[bool, typer.Option(help="Also recompute the later stages of the round.")] = False,
+    workdir: WorkdirOpt = Path("workdir"),
+) -> None:
+    """Rerun one stage of one round as a new attempt (the `run_stage` flow)."""
+    _run_flow("run_stage", experiment=experiment, round=round, stage=stage, downstream=downstream,
+              workdir=str(workdir))
+    status(experiment, workdir)
+
+
+@app.command()
+def query(
+    sql: str,
+    workdir: WorkdirOpt = Path("workdir"),
+    format: Annotated[str, typer.Option("--format", "-f", help="table|csv|json|parquet")] = "table",
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write to this file.")] = None,
+) -> None:
+    """Run read-only SQL against the store (views: v_round_summary, v_trajectory_scores, v_lineage, ...)."""
+    from components.store import StoreError
+
+    store = _store(workdir)
+    try:
+        if format == "parquet":
+            import pyarrow.parquet as pq
+
+            if out is None:
+                _fail("--format parquet needs --out FILE", 2)
+            pq.write_table(store.query_arrow(sql), out)
+            console.print(f"wrote {out}")
+            return
+        cols, rows = store.query(sql)
+    except StoreError as e:
+        _fail(str(e), 2)
+    if format == "table" and out is None:
+        _print_table(cols, rows)
+        return
+    fh = open(out, "w", newline="") if out else sys.stdout
+    try:
+        if format == "csv" or format == "table":
+            w = csv.writer(fh)
+            w.writerow(cols)
+            w.writerows(rows)
+        elif format == "json":
+            json.dump([dict(zip(cols, r)) for r in rows], fh, default=str, indent=1)
+            fh.write("\n")
+        else:
+            _fail(f"--format must be table, csv, json or parquet, not {format!r}", 2)
+    finally:
+        if out:
+            fh.close()
+
+
+@app.command()
+def status(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
+    """Rounds and stages of an experiment with their attempt states."""
+    from components.store import StoreError
+
+    try:
+        runs = _store(workdir).stage_runs(experiment)
+    except StoreError as e:
+        _fail(str(e), 2)
+    if not runs:
+        _fail(f"unknown experiment {experiment!r} in {workdir}", 2)
+    table = Table(title=f"{experiment}: stage runs")
+    for c in ("round", "stage", "attempt", "status", "duration_s", "rows", "error"):
+        table.add_column(c)
+    style = {"committed": "green", "failed": "red", "running": "yellow", "superseded": "dim"}
+    for r in runs:
+        st = r["status"] + (" (stale)" if r["stale"] and r["status"] == "committed" else "")
+        color = "magenta" if r["stale"] and r["status"] == "committed" else style.get(r["status"], "")
+        rows = ", ".join(f"{k}={v}" for k, v in json.loads(r["rows_json"] or "{}").items())
+        dur = f"{r['duration_s']:.1f}" if r["duration_s"] is not None else ""
+        table.add_row(str(r["round"]), r["stage"], str(r["attempt"]), f"[{color}]{st}[/]" if color else st, dur,
+                      rows, (r["error"] or "").splitlines()[0][:60] if r["error"] else "")
+    console.print(table)
+
+
+def _print_table(cols: list[str], rows: list[tuple], title: str | None = None) -> None:
+    table = Table(title=title)
+    for c in cols:
+        table.add_column(str(c))
+    for r in rows:
+        table.add_row(*("NULL" if v is None else str(v) for v in r))
+    console.print(table)
+    console.print(f"({len(rows)} rows)", style="dim")
+
+
+def main() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    app()
+
+
+if __name__ == "__main__":
+    main()

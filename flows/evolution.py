@@ -1,0 +1,179 @@
+"""Prefect flows: `self_evolution` (all rounds), `evolution_round` (one round), `run_stage` (rerun one stage).
+
+    coevo run --config configs/arith.yaml          # runs self_evolution
+    coevo rerun arith-default --round 2 --stage score
+
+Flows only sequence tasks and make round-level decisions (curriculum, what to skip on resume).
+Every committed stage is skipped on a second run, so `self_evolution` on an existing experiment
+is a resume.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run as flow_run_ctx
+
+from components.config import ExperimentConfig, load_config
+from components.curriculum import pick_levels
+from components.locking import ExperimentLock
+from components.planning import level_pass_rates, round_stages
+from components.plots import accuracy_per_round
+from components.store import Store
+from components.tracking import Tracker, code_version
+from tasks.stages import stage_task
+
+CONFIG_SNAPSHOT = "config.yaml"
+
+
+def _load(config_path: str, overrides: list[str] | None) -> ExperimentConfig:
+    return load_config(config_path, overrides or [])
+
+
+def _flow_run_id() -> str | None:
+    return str(flow_run_ctx.id) if flow_run_ctx.id else None
+
+
+def _tracker(cfg: ExperimentConfig) -> Tracker:
+    tracker = Tracker(cfg)
+    tracker.start({"config_hash": cfg.config_hash(), "git_sha": code_version() or "unknown",
+                   "prefect_flow_run_id": _flow_run_id() or "none", "recipe": cfg.recipe})
+    return tracker
+
+
+def _plan_round(cfg: ExperimentConfig, store: Store, round: int) -> list[int]:
+    existing = store.rows("SELECT levels_json FROM round_plans WHERE experiment_id=? AND round=?",
+                          [cfg.experiment, round])
+    if existing:
+        return yaml.safe_load(existing[0]["levels_json"])
+    rates = level_pass_rates(store, cfg.experiment, round - 1)
+    c = cfg.curriculum
+    levels, reason = pick_levels(rates, c.low, c.high, c.max_levels)
+    store.set_round_plan(cfg.experiment, round, levels, reason)
+    get_run_logger().info(f"round {round} curriculum: levels {levels} ({reason})")
+    return levels
+
+
+def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int) -> dict[str, Any]:
+    evals = store.rows("SELECT * FROM evaluations WHERE experiment_id=? ORDER BY round, level, metric",
+                       [cfg.experiment])
+    summary = store.rows("SELECT * FROM v_round_summary WHERE experiment_id=? AND round=?", [cfg.experiment, round])
+    timings = store.rows("SELECT stage, duration_s FROM stage_runs WHERE experiment_id=? AND round=? "
+                         "AND status='committed' ORDER BY started_at", [cfg.experiment, round])
+    this_round = [e for e in evals if e["round"] == round]
+    table = [{"level": "all" if e["level"] == -1 else e["level"], "metric": e["metric"],
+              "value": round_(e["value"]), "n": e["n"]} for e in this_round]
+    s = summary[0] if summary else {}
+    table += [{"level": "-", "metric": k, "value": s.get(k), "n": None}
+              for k in ("generated", "generated_tokens", "selected", "train_pass_rate") if k in s]
+    table += [{"level": "-", "metric": f"timing/{t['stage']}", "value": round_(t["duration_s"]), "n": None}
+              for t in timings]
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.experiment}-round-{round}".lower()).strip("-")
+    create_table_artifact(table, key=key, description=f"coevo {cfg.experiment} round {round}: metrics")
+    plot = accuracy_per_round(evals, cfg.experiment_dir / "plots" / "accuracy_per_round.png",
+                              title=f"{cfg.experiment}: held-out greedy accuracy")
+    tracker.log_artifact(plot, artifact_path="plots")
+    tracker.finish_round(round)
+    return {"round": round, **{k: v for k, v in s.items() if k != "experiment_id"}}
+
+
+def round_(v: Any) -> Any:
+    return round(float(v), 4) if isinstance(v, (int, float)) else v
+
+
+def run_round(cfg: ExperimentConfig, round: int, tracker: Tracker, only: list[str] | None = None) -> dict[str, Any]:
+    """Run the round's stages in order, skipping committed ones unless an earlier stage reran."""
+    logger = get_run_logger()
+    store = Store(cfg.store_path)
+    version = code_version()
+    if round > 0:
+        _plan_round(cfg, store, round)
+    dirty = False
+    for stage in round_stages(cfg, round):
+        if only is not None and stage not in only:
+            continue
+        committed = store.committed_run(cfg.experiment, round, stage)
+        if committed and not committed["stale"] and not dirty and only is None:
+            logger.info(f"round {round} {stage}: already committed ({committed['stage_run_id']}), skipping")
+            continue
+        result = stage_task(cfg, stage)(cfg, round, version)
+        dirty = True
+        if tracker.enabled:
+            store.set_mlflow_run(result.stage_run_id, tracker.round_run(round))
+        tracker.log_stage(round, stage, result.metrics, result.duration_s)
+    return _publish_round(cfg, store, tracker, round)
+
+
+@flow(name="evolution_round", log_prints=True)
+def evolution_round(config_path: str, round: int, overrides: list[str] | None = None) -> dict[str, Any]:
+    """One round: generate → verify → score → filter → train_policy → evaluate (round 0: bootstrap)."""
+    cfg = _load(config_path, overrides)
+    if round > cfg.rounds:
+        raise ValueError(f"round {round} is beyond the experiment's rounds={cfg.rounds}")
+    with ExperimentLock(cfg.experiment_dir, _flow_run_id()):
+        _register(cfg)
+        return run_round(cfg, round, _tracker(cfg))
+
+
+def _register(cfg: ExperimentConfig) -> None:
+    store = Store(cfg.store_path)
+    store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed, cfg.recipe,
+                              code_version())
+    snapshot = cfg.experiment_dir / CONFIG_SNAPSHOT
+    if not snapshot.exists():
+        snapshot.parent.mkdir(parents=True, exist_ok=True)
+        body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        snapshot.write_text(f"# coevo resume {cfg.experiment}\n# resolved config of this experiment (overrides applied)\n{body}")
+
+
+@flow(name="self_evolution", log_prints=True)
+def self_evolution(config_path: str, overrides: list[str] | None = None) -> list[dict[str, Any]]:
+    """All rounds of an experiment; committed stages are skipped, so this also resumes."""
+    cfg = _load(config_path, overrides)
+    logger = get_run_logger()
+    with ExperimentLock(cfg.experiment_dir, _flow_run_id()):
+        _register(cfg)
+        n = Store(cfg.store_path).fail_dangling_runs(cfg.experiment)
+        if n:
+            logger.warning(f"marked {n} attempt(s) left running by an earlier process as failed")
+        tracker = _tracker(cfg)
+        summaries = []
+        try:
+            for r in range(cfg.rounds + 1):
+                summaries.append(evolution_round(config_path=config_path, round=r, overrides=overrides))
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        tracker.finish()
+        logger.info(f"experiment {cfg.experiment}: {cfg.rounds} rounds done; store {cfg.store_path}")
+        return summaries
+
+
+@flow(name="run_stage", log_prints=True)
+def run_stage(experiment: str, round: int, stage: str, downstream: bool = False, workdir: str = "workdir") -> dict[str, Any]:
+    """Rerun one stage of a round as a new attempt; later stages become stale, or rerun with `downstream`."""
+    config_path = Path(workdir) / experiment / CONFIG_SNAPSHOT
+    if not config_path.is_file():
+        raise ValueError(f"unknown experiment {experiment!r}: no {config_path}")
+    cfg = load_config(config_path)
+    stages = round_stages(cfg, round) if 0 <= round <= cfg.rounds else []
+    if not stages:
+        raise ValueError(f"experiment {experiment} has rounds 0..{cfg.rounds}; round {round} does not exist")
+    if stage not in stages:
+        raise ValueError(f"round {round} has stages {stages}; {stage!r} is not one of them")
+    store = Store(cfg.store_path)
+    if store.committed_run(experiment, round, stage) is None:
+        raise ValueError(f"{experiment} round {round} stage {stage} was never committed: use `coevo resume`")
+    later = stages[stages.index(stage) + 1:]
+    with ExperimentLock(cfg.experiment_dir, _flow_run_id()):
+        tracker = _tracker(cfg)
+        summary = run_round(cfg, round, tracker, only=[stage] + (later if downstream else []))
+        if not downstream and later:
+            store.mark_stale(experiment, round, later)
+            get_run_logger().info(f"marked stale: round {round} {later}; rerun with --downstream to recompute")
+        return summary

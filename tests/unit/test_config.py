@@ -1,0 +1,64 @@
+from pathlib import Path
+
+import pytest
+
+from components.config import ConfigError, load_config, load_config_dict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_shipped_config_loads_and_opens_with_its_command():
+    configs = sorted((REPO / "configs").glob("*.yaml"))
+    assert configs, "no configs shipped"
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.experiment
+        assert path.read_text().splitlines()[0].startswith("# coevo "), f"{path} must open with its command"
+
+
+def test_overrides_are_typed_and_change_the_hash():
+    base = load_config(REPO / "configs/arith.yaml")
+    cfg = load_config(REPO / "configs/arith.yaml", ["rounds=2", "train_policy.steps=7", "curriculum.low=0.1"])
+    assert (cfg.rounds, cfg.train_policy.steps, cfg.curriculum.low) == (2, 7, 0.1)
+    assert cfg.config_hash() != base.config_hash()
+    assert load_config(REPO / "configs/arith.yaml").config_hash() == base.config_hash()
+
+
+def test_hash_ignores_key_order():
+    a = load_config_dict({"experiment": "x", "seed": 1, "rounds": 2})
+    b = load_config_dict({"rounds": 2, "seed": 1, "experiment": "x"})
+    assert a.config_hash() == b.config_hash()
+
+
+def test_unknown_key_names_the_path():
+    with pytest.raises(ConfigError, match=r"train_policy\.stepz: unknown key"):
+        load_config_dict({"experiment": "x", "train_policy": {"stepz": 3}})
+
+
+def test_wrong_type_names_the_path_and_value():
+    with pytest.raises(ConfigError, match=r"generate\.temperature: .*number.*'hot'"):
+        load_config_dict({"experiment": "x", "generate": {"temperature": "hot"}})
+
+
+def test_incompatible_settings_say_what_to_change():
+    with pytest.raises(ConfigError, match="set train_reward.enabled=true"):
+        load_config_dict({"experiment": "x", "score": {"reward_model": "prm"}})
+    with pytest.raises(ConfigError, match="curriculum.low"):
+        load_config_dict({"experiment": "x", "curriculum": {"low": 0.9, "high": 0.5}})
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiment: x\ngenerate:\n  temperature: [0.8\n")
+    with pytest.raises(ConfigError, match=r"malformed YAML in .*bad\.yaml at line \d+"):
+        load_config(bad)
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(REPO / "configs/arith.yaml", ["rounds"])
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
+        load_config("nope.yaml")
