@@ -58,8 +58,8 @@ def evaluate(
             maj = majority_answer([t["answer"] for t in group])
             # The majority answer is right iff a sample that gave it verified correct.
             ok = maj is not None and correct[next(t for t in group if t["answer"] == maj)["trajectory_id"]]
-            per_level[level_of[p.problem_id]][f"maj@{maj_k}"].append(float(ok))
-            per_level[level_of[p.problem_id]][f"pass@{maj_k}"].append(
+            per_level[level_of[p.problem_id]][f"maj_at_{maj_k}"].append(float(ok))
+            per_level[level_of[p.problem_id]][f"pass_at_{maj_k}"].append(
                 float(any(correct[t["trajectory_id"]] for t in group)))
     rows = []
     overall: dict[str, list[float]] = defaultdict(list)

@@ -154,7 +154,7 @@ CREATE TABLE IF NOT EXISTS evaluations (
     round         INTEGER NOT NULL,
     model_id      VARCHAR NOT NULL,
     level         INTEGER NOT NULL,          -- -1: all levels
-    metric        VARCHAR NOT NULL,          -- greedy_acc | maj@k | ...
+    metric        VARCHAR NOT NULL,          -- greedy_acc | maj_at_<k> | pass_at_<k> | ...
     value         DOUBLE NOT NULL,
     n             INTEGER NOT NULL,
     stage_run_id  VARCHAR NOT NULL,
@@ -185,7 +185,7 @@ WITH gen AS (
 ), ev AS (
     SELECT experiment_id, round,
            max(value) FILTER (WHERE metric = 'greedy_acc' AND level = -1) AS greedy_acc,
-           max(value) FILTER (WHERE metric LIKE 'maj@%' AND level = -1) AS maj_acc
+           max(value) FILTER (WHERE metric LIKE 'maj_at_%' AND level = -1) AS maj_acc
     FROM evaluations GROUP BY ALL
 ), lv AS (
     SELECT experiment_id, round,
@@ -372,7 +372,9 @@ class Store:
         out = {}
         with self.reader() as con:
             for table in DATA_TABLES:
-                cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall() if r[0] != "stage_run_id"]
+                # Attempt-specific columns (which attempt, where its files lie) are not content.
+                cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()
+                        if r[0] not in ("stage_run_id", "uri")]
                 where = _experiment_filter(table)
                 col_list = ", ".join(cols)
                 n, h = con.execute(

@@ -108,3 +108,48 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
     log(f"{ref.stage_run_id}: committed in {dt:.1f}s " + ", ".join(f"{o['table']}={o['rows']}" for o in manifest.outputs))
     return StageResult(ref.stage_run_id, round, stage, attempt, str(out_dir), dict(manifest.metrics), dt,
                        {o["table"]: o["rows"] for o in manifest.outputs})
+
+
+def content_hashes(out_dir: Path) -> dict[str, str]:
+    """Per-table hash of a published attempt's rows, plus each artifact's sha256.
+
+    Paths that name the attempt (a model's `uri`) are left out: they say where, not what.
+    """
+    import hashlib
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from components.manifest import read_manifest
+
+    m = read_manifest(out_dir / MANIFEST)
+    out: dict[str, str] = {}
+    for table in sorted({o["table"] for o in m.outputs}):
+        data = pa.concat_tables([pq.read_table(out_dir / o["path"]) for o in m.outputs if o["table"] == table])
+        if "uri" in data.column_names:
+            data = data.drop(["uri"])
+        out[f"table:{table}"] = hashlib.sha256(json.dumps(data.to_pylist(), sort_keys=True, default=str).encode()).hexdigest()
+    for a in m.artifacts:
+        out[f"artifact:{a['name']}"] = a["sha256"]
+    return out
+
+
+def reproduce_stage(cfg: ExperimentConfig, store: Store, round: int, stage: str, *, code_version: str | None,
+                    log: Callable[[str], None] = print) -> dict[str, tuple[str, str]]:
+    """Rerun a committed stage into a scratch attempt (never committed) and pair up content hashes."""
+    import shutil
+
+    committed = store.committed_run(cfg.experiment, round, stage)
+    if committed is None:
+        raise StoreError(f"{cfg.experiment} round {round} stage {stage} has no committed attempt to reproduce")
+    scratch = cfg.experiment_dir / "scratch" / f"r{round}" / stage / f"a{committed['attempt']}"
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    spec = build_spec(cfg, store, round, stage, committed["attempt"], code_version, out_dir=scratch)
+    spec_path = scratch.with_name(scratch.name + ".spec.json")
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(spec.to_json())
+    run_job(stage, spec_path, log, cfg.stage_timeout_s)
+    a, b = content_hashes(Path(committed["out_dir"])), content_hashes(scratch)
+    return {k: (a.get(k, ""), b.get(k, "")) for k in sorted(set(a) | set(b))}

@@ -34,6 +34,12 @@ def _backend(spec: StageSpec, model_uri: str):
     return get_backend(g.backend, model_uri, batch_size=g.batch_size, **g.backend_options)
 
 
+def _unique(problems: list) -> list:
+    """Drop repeats (a small level can have fewer distinct problems than asked for), keeping order."""
+    seen: set[str] = set()
+    return [p for p in problems if not (p.problem_id in seen or seen.add(p.problem_id))]
+
+
 def _write(out: StageOutputWriter, **tables: list[dict[str, Any]]) -> None:
     for name, rows in tables.items():
         out.write_table(name, to_table(name, rows))
@@ -51,6 +57,7 @@ def run_generate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         # One seed per level (the shard), so adding a level does not reshuffle the others.
         problems += domain.sample_problems(level, cfg.generate.problems_per_level,
                                            seed=spec.params["problem_seeds"][str(level)])
+    problems = _unique(problems)
     log("generate", f"{len(problems)} problems at levels {levels}, {cfg.generate.samples_per_problem} samples each")
     t0 = time.perf_counter()
     batch = generate(
@@ -122,7 +129,7 @@ def _bootstrap_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dic
     for level in b.seed_levels:
         problems += domain.sample_problems(level, per_seed_level, seed=derive_seed(spec.seed, 0, "seed_demo", level))
     trajs, sels = [], []
-    for p in problems:
+    for p in _unique(problems):
         tid = trajectory_id(spec.experiment, spec.round, "demo", p.problem_id, 0)
         completion = domain.reference_solution(p)
         trajs.append({
@@ -134,7 +141,7 @@ def _bootstrap_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dic
         sels.append({"trajectory_id": tid, "experiment_id": spec.experiment, "round": spec.round,
                      "purpose": "policy_sft", "selected": True, "rank": 0, "reason": "gold demonstration",
                      "pair_id": None})
-    return [problem_row(p, "train") for p in problems], trajs, sels
+    return [problem_row(p, "train") for p in _unique(problems)], trajs, sels
 
 
 def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:

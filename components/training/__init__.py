@@ -1,0 +1,1 @@
+"""Policy training with TRL (SFT; DPO and GRPO share the same shape)."""
