@@ -93,11 +93,16 @@ class TrainPolicyConfig(_Section):
     init: Literal["previous", "base"] = Field(
         "previous", description="Continue from the previous round's policy, or restart from the round-0 model (ReST-EM)."
     )
-    steps: int = Field(300, ge=1)
+    steps: int = Field(300, ge=1, description="Upper bound on optimizer steps per round.")
+    epochs: float | None = Field(
+        3.0, gt=0, description="Passes over the round's examples; caps `steps` so small rounds do not overfit."
+    )
     batch_size: int = Field(64, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    data_window: int = Field(
-        1, ge=1, description="Train on the selections of the last N rounds (1: this round only)."
+    learning_rate: float = Field(5e-4, gt=0)
+    replay_ratio: float = Field(
+        1.0, ge=0.0,
+        description="Replayed examples from earlier rounds (round-0 demos included) per new example; "
+                    "without replay the policy forgets the levels the curriculum no longer samples.",
     )
 
 

@@ -102,9 +102,10 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
             parent = committed_model(store, exp, parent_round)
             params["init_uri"] = parent["uri"]
             params["parent_model_id"] = parent["model_id"]
-            rounds = list(range(max(1, round - cfg.train_policy.data_window + 1), round + 1))
-            params["selection_rounds"] = rounds
-            for r in rounds:
+            # This round's selections are new data; earlier rounds' (demos included) are the replay pool.
+            params["replay_ratio"] = cfg.train_policy.replay_ratio
+            inputs.append(input_ref(store, exp, 0, "train_policy"))
+            for r in range(1, round + 1):
                 inputs += [input_ref(store, exp, r, "generate"), input_ref(store, exp, r, "filter")]
     elif stage == "evaluate":
         policy = committed_model(store, exp, round)

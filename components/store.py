@@ -149,6 +149,14 @@ CREATE TABLE IF NOT EXISTS models (
     registered_version VARCHAR,
     stage_run_id     VARCHAR NOT NULL
 );
+CREATE TABLE IF NOT EXISTS model_inputs (   -- exactly which trajectories trained which model
+    model_id      VARCHAR NOT NULL,
+    trajectory_id VARCHAR NOT NULL,
+    source_round  INTEGER NOT NULL,          -- the round whose selection it came from
+    use           VARCHAR NOT NULL,          -- new | replay
+    stage_run_id  VARCHAR NOT NULL,
+    PRIMARY KEY (model_id, trajectory_id)
+);
 CREATE TABLE IF NOT EXISTS evaluations (
     experiment_id VARCHAR NOT NULL,
     round         INTEGER NOT NULL,
@@ -223,22 +231,19 @@ FROM stage_runs ORDER BY experiment_id, round, started_at;
 CREATE OR REPLACE VIEW v_lineage AS
 -- Which trajectories, selected by which filter decision, trained which model, and who generated them.
 SELECT m.experiment_id, m.model_id AS trained_model_id, m.round AS trained_round, m.role,
-       sel.trajectory_id, sel.round AS selection_round, sel.purpose AS selected_for,
-       sel.reason AS selection_reason, sel.stage_run_id AS selection_stage_run_id,
-       t.purpose AS trajectory_purpose, t.policy_model_id AS generated_by_model_id, t.problem_id, t.level
+       mi.trajectory_id, mi.use, mi.source_round, sel.purpose AS selected_for, sel.reason AS selection_reason,
+       sel.stage_run_id AS selection_stage_run_id, t.purpose AS trajectory_purpose,
+       t.policy_model_id AS generated_by_model_id, t.problem_id, t.level
 FROM models m
-JOIN stage_runs sr ON sr.stage_run_id = m.stage_run_id
-JOIN selections sel ON sel.experiment_id = m.experiment_id AND sel.selected AND sel.purpose = 'policy_sft'
-     AND m.role = 'policy'
-     AND (sel.round = m.round AND m.round = 0
-          OR list_contains(CAST(json_extract(sr.spec_json, '$.params.selection_rounds') AS INTEGER[]), sel.round))
-JOIN trajectories t USING (trajectory_id);
+JOIN model_inputs mi USING (model_id)
+JOIN trajectories t USING (trajectory_id)
+LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selected;
 """
 
 # Data tables carry stage_run_id; a commit replaces the rows of the superseded attempt.
 DATA_TABLES = (
     "problems", "trajectories", "steps", "verifications", "step_labels",
-    "scores", "selections", "models", "evaluations",
+    "scores", "selections", "models", "model_inputs", "evaluations",
 )
 _WRITE_SQL = re.compile(
     r"^\s*(insert|update|delete|create|drop|alter|copy|attach|detach|install|load|pragma|set|call|checkpoint"
@@ -334,7 +339,7 @@ class Store:
             raise StoreError(f"coevo query is read-only; refused: {sql.strip().split()[0].upper()} statement")
         with self.reader() as con:
             try:
-                return con.execute(sql, params or []).arrow()
+                return con.execute(sql, params or []).to_arrow_table()
             except duckdb.Error as e:
                 raise StoreError(f"{type(e).__name__}: {e}\nquery: {sql}") from None
 
@@ -521,6 +526,8 @@ class Store:
 def _experiment_filter(table: str) -> str:
     if table == "problems":
         return ("problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)")
+    if table == "model_inputs":
+        return "model_id IN (SELECT model_id FROM models WHERE experiment_id = ?)"
     if table in ("steps", "verifications", "step_labels", "scores"):
         return "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ?)"
     return "experiment_id = ?"

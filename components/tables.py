@@ -47,6 +47,10 @@ SCHEMAS: dict[str, pa.Schema] = {
         ("train_examples", pa.int32()), ("mlflow_run_id", pa.string()), ("registered_name", pa.string()),
         ("registered_version", pa.string()),
     ]),
+    "model_inputs": pa.schema([
+        ("model_id", pa.string()), ("trajectory_id", pa.string()), ("source_round", pa.int32()),
+        ("use", pa.string()),
+    ]),
     "evaluations": pa.schema([
         ("experiment_id", pa.string()), ("round", pa.int32()), ("model_id", pa.string()), ("level", pa.int32()),
         ("metric", pa.string()), ("value", pa.float64()), ("n", pa.int32()),

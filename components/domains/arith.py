@@ -46,6 +46,11 @@ def _parse_prompt(prompt: str) -> tuple[list[int], list[str]]:
     return [int(t) for t in tokens[0::2]], tokens[1::2]
 
 
+def _rewrite(totals: list[int], ops: list[str], operands: list[int], k: int) -> str:
+    """The expression after its first k operations are done: '7-1+9-9', k=1 -> '6+9-9'."""
+    return str(totals[k]) + "".join(f"{op}{b}" for op, b in zip(ops[k:], operands[k + 1:]))
+
+
 def split_steps(completion: str) -> list[str]:
     """Non-empty (stripped) lines up to and including the first '####' answer line."""
     steps = []
@@ -99,6 +104,10 @@ class ArithDomain:
     digits: int = 1  # operand digits: operands are drawn from 0..10**digits - 1
     test_size: int = 200  # held-out problems per level (capped at half a level's problem space)
     test_seed: int = 1234  # the test set depends only on this, digits and the level
+    # "chain": each step "a+b=c" carries the running total; "rewrite": each step rewrites the
+    # expression with its first operation done ("7-1+9\n" -> "6+9\n#### 15\n"), so every step reads
+    # only the line above it: no counting of which operand comes next, which length-generalises.
+    format: str = "chain"
     name: str = field(default="arith", init=False)
     _test_cache: dict[int, list[Problem]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -107,6 +116,8 @@ class ArithDomain:
             raise ValueError(f"arith: max_level must be >= 1, got {self.max_level}")
         if self.digits < 1:
             raise ValueError(f"arith: digits must be >= 1, got {self.digits}")
+        if self.format not in ("chain", "rewrite"):
+            raise ValueError(f"arith: format must be 'chain' or 'rewrite', got {self.format!r}")
         if self.test_size < 0:
             raise ValueError(f"arith: test_size must be >= 0, got {self.test_size}")
 
@@ -168,7 +179,10 @@ class ArithDomain:
         """
         operands, ops = _parse_prompt(problem.prompt)
         totals = _running_totals(operands, ops)
-        lines = [f"{a}{op}{b}={c}" for a, op, b, c in zip(totals, ops, operands[1:], totals[1:])]
+        if self.format == "rewrite":
+            lines = [_rewrite(totals, ops, operands, k) for k in range(1, len(ops))]
+        else:
+            lines = [f"{a}{op}{b}={c}" for a, op, b, c in zip(totals, ops, operands[1:], totals[1:])]
         return "\n".join([*lines, f"#### {totals[-1]}"]) + "\n"
 
     split_steps = staticmethod(split_steps)
@@ -194,6 +208,9 @@ class ArithDomain:
             if _answer_line(step):
                 value = step[4:].strip()
                 labels.append(bool(_INTEGER.fullmatch(value)) and int(value) == totals[-1])
+                continue
+            if self.format == "rewrite":
+                labels.append(k < len(ops) - 1 and step == _rewrite(totals, ops, operands, k + 1))
                 continue
             m = _EQUATION.fullmatch(step)
             labels.append(

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.config import ExperimentConfig, load_config_dict
+from components.manifest import MANIFEST, read_manifest, sha256_file
 
 
 class SpecError(ValueError):
@@ -71,10 +72,31 @@ class StageSpec:
         refs = [i for i in self.inputs if i.stage == stage and i.round == want]
         if not refs:
             raise SpecError(f"{self.stage_run_id}: spec has no committed input {stage!r} for round {want}")
-        paths = [p for r in refs for p in r.tables.get(table, [])]
+        paths = [p for r in refs for p in _checked_parts(r, table)]
         if not paths:
             raise SpecError(f"{self.stage_run_id}: input {stage!r} of round {want} has no table {table!r}")
         return pa.concat_tables([pq.read_table(p) for p in paths])
 
     def rows(self, stage: str, table: str, round: int | None = None) -> list[dict[str, Any]]:
         return self.read(stage, table, round).to_pylist()
+
+
+def _checked_parts(ref: InputRef, table: str) -> list[str]:
+    """The committed parts of `table`, each re-hashed against the committed manifest before it is read.
+
+    Parquet parts carry no checksum a reader checks, so a flipped byte can decode into wrong rows
+    silently; a corrupted or swapped part must fail the job, naming the file.
+    """
+    m = read_manifest(Path(ref.dir) / MANIFEST)
+    if m.sha256 != ref.manifest_sha256:
+        raise SpecError(f"{Path(ref.dir) / MANIFEST} changed after {ref.stage_run_id} was committed "
+                        f"(sha256 {m.sha256[:12]}… vs {ref.manifest_sha256[:12]}…)")
+    listed = {str(Path(ref.dir) / o["path"]): o["sha256"] for o in m.outputs}
+    for p in ref.tables.get(table, []):
+        if not Path(p).is_file():
+            raise SpecError(f"committed input {p} of {ref.stage_run_id} is missing")
+        digest = sha256_file(Path(p))
+        if digest != listed.get(p):
+            raise SpecError(f"committed input {p} of {ref.stage_run_id} is corrupted: its sha256 {digest[:12]}… "
+                            f"does not match the manifest's {str(listed.get(p))[:12]}…")
+    return ref.tables.get(table, [])

@@ -6,6 +6,8 @@ functions themselves (`components.generation`, `components.filtering`, ...) retu
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -154,7 +156,9 @@ def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
     extra: dict[str, list[dict[str, Any]]] = {}
     if spec.round == 0:
         problems, trajs, sels = _bootstrap_examples(spec)
-        extra = {"problems": problems, "trajectories": trajs, "selections": sels}
+        extra = {"problems": problems, "trajectories": trajs, "selections": sels,
+                 "model_inputs": [{"model_id": _model_id(spec), "trajectory_id": t["trajectory_id"],
+                                   "source_round": 0, "use": "new"} for t in trajs]}
         examples = [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajs]
         steps, batch, lr = cfg.bootstrap.steps, cfg.bootstrap.batch_size, cfg.bootstrap.learning_rate
         if init_uri is None:
@@ -163,15 +167,19 @@ def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
             init_uri = str(create_tiny_llama(tiny, init_dir, seed=spec.seed))
             log("train_policy", f"created a from-scratch tiny Llama at {init_uri}")
     else:
-        selected = {}
-        for r in spec.params["selection_rounds"]:
-            trajs = {t["trajectory_id"]: t for t in spec.rows("generate", "trajectories", round=r)}
-            for s in spec.rows("filter", "selections", round=r):
-                if s["selected"] and s["purpose"] == "policy_sft":
-                    selected[s["trajectory_id"]] = trajs[s["trajectory_id"]]
-        examples = [{"prompt": t["prompt"], "completion": t["completion"]}
-                    for _, t in sorted(selected.items())]
-        steps, batch, lr = cfg.train_policy.steps, cfg.train_policy.batch_size, cfg.train_policy.learning_rate
+        new = _selected(spec, spec.round)
+        pool = {tid: t for r in range(spec.round) for tid, t in _selected(spec, r).items() if tid not in new}
+        n_replay = min(len(pool), round(spec.params["replay_ratio"] * len(new)))
+        replay = random.Random(spec.seed).sample(sorted(pool), n_replay)
+        chosen = [(tid, new[tid], "new") for tid in sorted(new)] + [(tid, pool[tid], "replay") for tid in replay]
+        examples = [{"prompt": t["prompt"], "completion": t["completion"]} for _, t, _ in chosen]
+        extra["model_inputs"] = [{"model_id": _model_id(spec), "trajectory_id": tid, "source_round": t["round"],
+                                  "use": use} for tid, t, use in chosen]
+        log("train_policy", f"{len(new)} new selections + {n_replay} replayed from {len(pool)} earlier ones")
+        tp = cfg.train_policy
+        steps, batch, lr = tp.steps, tp.batch_size, tp.learning_rate
+        if tp.epochs is not None:
+            steps = min(steps, math.ceil(tp.epochs * len(examples) / batch))
     if not examples:
         raise RuntimeError(f"{spec.stage_run_id}: no training examples were selected; nothing to train on")
     log("train_policy", f"SFT on {len(examples)} examples, {steps} steps of batch {batch}, from {init_uri}")
@@ -183,7 +191,7 @@ def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
         _copy_model(init_uri, model_dir)
         metrics = {"train_loss": float("nan"), "steps": 0}
     final_uri = str(Path(spec.out_dir) / "model")
-    model_id = f"{spec.experiment}/policy/r{spec.round}"
+    model_id = _model_id(spec)
     models = [{
         "model_id": model_id, "experiment_id": spec.experiment, "role": "policy", "round": spec.round,
         "uri": final_uri, "sha256": sha256_dir(model_dir), "parent_model_id": spec.params.get("parent_model_id"),
@@ -191,6 +199,18 @@ def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
     }]
     _write(out, models=models, **extra)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples)}
+
+
+def _model_id(spec: StageSpec, role: str = "policy") -> str:
+    return f"{spec.experiment}/{role}/r{spec.round}"
+
+
+def _selected(spec: StageSpec, round: int) -> dict[str, dict[str, Any]]:
+    """Trajectories selected for policy SFT in `round` (round 0: the demos train_policy stored)."""
+    src_t, src_s = ("train_policy", "train_policy") if round == 0 else ("generate", "filter")
+    trajs = {t["trajectory_id"]: t for t in spec.rows(src_t, "trajectories", round=round)}
+    return {s["trajectory_id"]: trajs[s["trajectory_id"]] for s in spec.rows(src_s, "selections", round=round)
+            if s["selected"] and s["purpose"] == "policy_sft"}
 
 
 def _train_progress(step: int, total: int, loss: float | None) -> None:

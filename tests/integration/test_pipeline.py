@@ -95,3 +95,18 @@ def test_second_run_is_a_no_op_resume(micro_run, prefect_server):
     self_evolution(config_path=str(REPO / "configs/micro.yaml"), overrides=[f"workdir={cfg.workdir}"])
     assert store.table_hashes(cfg.experiment) == before
     assert store.query("SELECT count(*) FROM stage_runs WHERE status <> 'committed'")[1][0][0] == 0
+
+
+def test_lineage_names_the_exact_training_examples(micro_run):
+    cfg, store, _ = micro_run
+    # Every example that trained round 2's policy is a selected trajectory, new from round 2 or replayed.
+    _, rows = store.query(
+        "SELECT use, count(*), count(*) FILTER (WHERE selection_reason IS NULL), min(source_round), max(source_round) "
+        "FROM v_lineage WHERE trained_model_id = ? GROUP BY 1 ORDER BY 1", [f"{cfg.experiment}/policy/r2"])
+    by_use = {r[0]: r[1:] for r in rows}
+    assert by_use["new"][0] > 0 and by_use["new"][2:] == (2, 2)
+    assert by_use["replay"][0] > 0 and by_use["replay"][3] < 2
+    assert all(v[1] == 0 for v in by_use.values()), "every training example has a selection decision"
+    n_train = store.query("SELECT train_examples FROM models WHERE model_id = ?",
+                          [f"{cfg.experiment}/policy/r2"])[1][0][0]
+    assert sum(v[0] for v in by_use.values()) == n_train
