@@ -48,8 +48,10 @@ def read_tables(store: Store, experiment: str) -> dict:
     known = known_experiments(store)
     if experiment not in known:
         raise ExportError(f"unknown experiment {experiment!r} in {store.path}; known: {', '.join(known) or 'none'}")
-    return {t: store.query_arrow(f"SELECT * FROM {t} WHERE {cond} ORDER BY ALL", [experiment])
-            for t, cond in TABLES.items()}
+    # One read-only connection for all tables; `to_arrow_table` materialises before it closes.
+    with store.reader() as con:
+        return {t: con.execute(f"SELECT * FROM {t} WHERE {cond} ORDER BY ALL", [experiment]).to_arrow_table()
+                for t, cond in TABLES.items()}
 
 
 def _prepare(out: Path) -> None:
@@ -96,4 +98,5 @@ def _save_hf(tables: dict, out: Path) -> None:
         # datasets has no feature type for timestamps with time zones; ISO strings round-trip everywhere.
         cols = [c.cast(pa.string()) if pa.types.is_timestamp(c.type) else c for c in table.columns]
         splits[name] = Dataset(InMemoryTable(pa.table(cols, names=table.column_names)))
-    DatasetDict(splits).save_to_disk(str(out))
+    # One shard per split: datasets writes no shard for an empty table and then cannot load it back.
+    DatasetDict(splits).save_to_disk(str(out), num_shards={name: 1 for name in splits})

@@ -175,7 +175,7 @@ def _fmt(v: Any) -> str:
     if isinstance(v, dict):
         return html.escape(", ".join(f"L{k}: {x}" for k, x in v.items()))
     if isinstance(v, (list, tuple)):
-        return html.escape(", ".join(str(x) for x in v))
+        return html.escape(", ".join("–" if x is None else str(x) for x in v))
     return html.escape(str(v))
 
 

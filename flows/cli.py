@@ -218,6 +218,15 @@ def _print_table(cols: list[str], rows: list[tuple], title: str | None = None) -
     console.print(f"({len(rows)} rows)", style="dim")
 
 
+def _register_ops() -> None:
+    from flows.ops_cli import register
+
+    register(app)
+
+
+_register_ops()
+
+
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if os.environ.get("PREFECT_HOME"):  # Prefect's SQLite database cannot be created in a missing folder

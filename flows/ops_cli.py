@@ -190,16 +190,21 @@ def export(
     from components.store import Store, StoreError
 
     out = out or workdir / "exports" / f"{experiment}-{to}"
+    if to == "hf":
+        import datasets
+
+        datasets.disable_progress_bars()
     try:
         counts = export_experiment(Store(workdir / "coevo.duckdb"), experiment, to, out)
     except (ExportError, StoreError) as e:
         _fail(str(e), 2)
-    table = Table(title=f"{experiment} → {out} ({to})")
+    table = Table(title=f"{experiment} ({to})")
     table.add_column("table")
     table.add_column("rows", justify="right")
     for k, n in counts.items():
         table.add_row(k, str(n))
     console.print(table)
+    console.print(f"wrote {out}", highlight=False)
 
 
 def report(

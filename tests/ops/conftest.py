@@ -1,7 +1,7 @@
 """One workdir with two micro experiments, run once per session for the operator tests and notebooks.
 
-`micro` is configs/micro.yaml as shipped; `micro-b` is the same with seed 1, so `coevo compare` has
-two real experiments to put side by side. Both run through the real `self_evolution` flow under
+`micro` is configs/micro.yaml as shipped; `micro-b` is the same with seed 1 and half the training
+steps (to keep the suite short), so `coevo compare` has two real experiments to put side by side. Both run through the real `self_evolution` flow under
 Prefect's test harness, with MLflow on the workdir's SQLite store.
 """
 
@@ -34,7 +34,8 @@ def micro_workdir(tmp_path_factory) -> MicroWorkdir:
     workdir = tmp_path_factory.mktemp("ops-micro")
     with prefect_test_harness(server_startup_timeout=120):
         self_evolution(config_path=str(MICRO), overrides=[f"workdir={workdir}"])
-        self_evolution(config_path=str(MICRO), overrides=[f"workdir={workdir}", "experiment=micro-b", "seed=1"])
+        self_evolution(config_path=str(MICRO), overrides=[f"workdir={workdir}", "experiment=micro-b", "seed=1",
+                                                          "bootstrap.steps=100", "train_policy.steps=40"])
     return MicroWorkdir(workdir)
 
 
@@ -42,7 +43,7 @@ def coevo(*args: str, env: dict[str, str] | None = None, check: bool = True,
           timeout: float = 300) -> subprocess.CompletedProcess:
     """Run the `coevo` CLI with the operator commands, in a subprocess, as a user would."""
     full_env = {**os.environ, "COLUMNS": "200", **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "flows.ops_cli", *args], cwd=REPO, env=full_env,
+    p = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO, env=full_env,
                        capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"coevo {' '.join(args)} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")

@@ -184,6 +184,7 @@ def test_export_parquet_and_hf(micro_workdir, tmp_path):
     assert ds["evaluations"].num_rows == store.query(
         "SELECT count(*) FROM evaluations WHERE experiment_id = 'micro'")[1][0][0]
     assert "completion" in ds["trajectories"].column_names
+    assert ds["step_labels"].num_rows == 0 and "source" in ds["step_labels"].column_names
 
 
 @pytest.mark.slow
