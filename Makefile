@@ -16,7 +16,11 @@ export DO_NOT_TRACK ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install run test test-fast ui-prefect ui-mlflow clean bench
+# The UI test drives Debian's Chromium headless; `make test` installs it once (root or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+BROWSER := /usr/bin/chromium /usr/bin/chromedriver
+
+.PHONY: install browser run test test-fast ui-prefect ui-mlflow clean bench
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,10 +33,16 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+$(BROWSER):
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver
+
+browser: $(BROWSER)
+
 run: $(STAMP)
 	$(BIN)/coevo run --config $(CONFIG)
 
-test: $(STAMP)
+test: $(STAMP) $(BROWSER)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

@@ -86,6 +86,10 @@ class FilterConfig(_Section):
     keep: Literal["correct"] = "correct"
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
+    check_steps: bool = Field(
+        False, description="Also drop right answers whose worked steps do not recompute (the domain's "
+                           "calculator check; it uses no gold step labels). Ignored where a domain has none.",
+    )
 
 
 class TrainPolicyConfig(_Section):
@@ -138,6 +142,10 @@ class TrackingConfig(_Section):
         None, description="MLflow URI; null uses $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db."
     )
     experiment_name: str | None = Field(None, description="MLflow experiment; null uses the experiment name.")
+    register_models: bool = Field(
+        True, description="Log each round's policy checkpoint to its round run and register it as a version of "
+                          "`<experiment>-policy` (aliases `current` and `best`).",
+    )
 
 
 class ExperimentConfig(_Section):

@@ -13,6 +13,7 @@ from typing import Any
 def rft_filter(
     trajectories: list[dict[str, Any]], correct: dict[str, bool | None], scores: dict[str, float], *,
     experiment: str, round: int, dedup: bool, max_per_problem: int,
+    steps_ok: dict[str, bool | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for `selections` with purpose `policy_sft`.
 
@@ -39,6 +40,8 @@ def rft_filter(
                 reason, keep = "unverified", False
             elif not ok:
                 reason, keep = "incorrect", False
+            elif steps_ok is not None and steps_ok.get(tid) is False:
+                reason, keep = "steps do not check", False
             elif dedup and t["completion"] in seen:
                 reason, keep = "duplicate", False
             elif rank >= max_per_problem:

@@ -37,3 +37,38 @@ def accuracy_per_round(evaluations: list[dict[str, Any]], path: Path, title: str
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
+    """The parent run's summary, one panel each: held-out accuracy (greedy and maj@k), generated
+    tokens, and trajectories selected for training, per round. Rows are `v_round_summary` rows; a
+    `prm_f1` column, where present, adds the PRM's step-level F1 to the first panel."""
+    rows = sorted(summary, key=lambda r: r["round"])
+    rounds = [int(r["round"]) for r in rows]
+
+    def col(key: str) -> list[float]:
+        return [float("nan") if r.get(key) is None else float(r[key]) for r in rows]
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), dpi=110)
+    ax = axes[0]
+    ax.plot(rounds, [100 * v for v in col("greedy_acc")], marker="o", color="black", label="greedy pass@1")
+    ax.plot(rounds, [100 * v for v in col("maj_acc")], marker="s", linestyle="--", label="maj@k")
+    if any(r.get("prm_f1") is not None for r in rows):
+        ax.plot(rounds, [100 * v for v in col("prm_f1")], marker="^", label="PRM step F1")
+    ax.set_ylabel("held-out, all levels (%)")
+    ax.set_ylim(-2, 102)
+    ax.legend(fontsize=8)
+    axes[1].bar(rounds, [v / 1000 for v in col("generated_tokens")], color="tab:blue")
+    axes[1].set_ylabel("generated tokens (thousands)")
+    axes[2].bar(rounds, col("selected"), color="tab:green")
+    axes[2].set_ylabel("trajectories selected for training")
+    for a in axes:
+        a.set_xlabel("round")
+        a.set_xticks(rounds)
+        a.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -76,7 +76,7 @@ def gather(store: Store, experiment: str, samples: int = 3) -> dict[str, Any]:
                         experiment),
         "lineage": _rows(store, """
             SELECT trained_model_id, role, trained_round, count(*) AS trajectories,
-                   list(DISTINCT selection_round ORDER BY selection_round) AS from_rounds,
+                   list(DISTINCT source_round ORDER BY source_round) AS from_rounds,
                    list(DISTINCT generated_by_model_id ORDER BY generated_by_model_id) AS generated_by,
                    count(DISTINCT problem_id) AS problems
             FROM v_lineage WHERE experiment_id = ? GROUP BY ALL ORDER BY trained_round""", experiment),

@@ -224,6 +224,20 @@ LEFT JOIN verifications v USING (trajectory_id)
 LEFT JOIN scores s USING (trajectory_id)
 GROUP BY ALL;
 
+CREATE OR REPLACE VIEW v_prm_calibration AS
+-- Each step a reward model scored, beside its Monte Carlo and oracle labels (NULL where absent),
+-- with a 10-bin score bucket for reliability curves.
+SELECT t.experiment_id, t.round, t.level, s.trajectory_id, s.step_index, s.scorer, s.model_id,
+       s.value AS score, least(floor(s.value * 10), 9)::INTEGER AS score_bin,
+       max(l.value) FILTER (WHERE l.source = 'mc_soft') AS mc_soft,
+       max(l.value) FILTER (WHERE l.source = 'mc_hard') AS mc_hard,
+       max(l.value) FILTER (WHERE l.source = 'oracle') AS oracle
+FROM scores s
+JOIN trajectories t USING (trajectory_id)
+LEFT JOIN step_labels l ON l.trajectory_id = s.trajectory_id AND l.step_index = s.step_index
+WHERE s.aggregate = 'step'
+GROUP BY ALL;
+
 CREATE OR REPLACE VIEW v_stage_timings AS
 SELECT experiment_id, round, stage, attempt, status, stale, duration_s, started_at, finished_at
 FROM stage_runs ORDER BY experiment_id, round, started_at;

@@ -139,6 +139,61 @@ class Tracker:
         if self.enabled and self.parent_run_id:
             self.client.set_terminated(self.parent_run_id, status)
 
+    def register_model(self, name: str, model_dir: str, round: int, tags: dict[str, str],
+                       score: float | None) -> str | None:
+        """Log a round's checkpoint to its round run and register it as a version of `name` (once:
+        a version is found again by its model_id tag, so a resumed round registers nothing twice).
+
+        The version's source is the logged artifact, which a remote tracking server accepts (it
+        refuses local paths). Aliases: `current` is the newest round's version, `best` the one with
+        the highest `score` (held-out accuracy). MLflow reserves `latest`, and
+        `models:/<name>/latest` already resolves to the newest version.
+        """
+        if not self.enabled or not self.cfg.tracking.register_models:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            self.client.create_registered_model(name, tags={TAG_EXPERIMENT: self.cfg.experiment},
+                                                description=f"coevo {self.cfg.experiment}: one version per round")
+        found = self.client.search_model_versions(f"name = '{name}'")
+        mine = [v for v in found if v.tags.get("coevo.model_id") == tags["coevo.model_id"]]
+        if mine:
+            version = mine[0].version
+        else:
+            run_id = self.round_run(round)
+            self.client.log_artifacts(run_id, model_dir, artifact_path="policy")
+            source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/policy"
+            all_tags = {**tags, TAG_ROUND: str(round)}
+            if score is not None:
+                all_tags["heldout_greedy_acc"] = f"{score:.6f}"
+            version = self.client.create_model_version(name, source=source, run_id=run_id, tags=all_tags).version
+            found = self.client.search_model_versions(f"name = '{name}'")
+        self.client.set_registered_model_alias(name, "current", version)
+        scored = [(float(v.tags["heldout_greedy_acc"]), -int(v.version), v.version) for v in found
+                  if "heldout_greedy_acc" in v.tags]
+        if scored:
+            self.client.set_registered_model_alias(name, "best", max(scored)[2])
+        return str(version)
+
+    def log_run(self, name: str, tags: dict[str, str], metrics: dict[str, float], params: dict[str, str]) -> str | None:
+        """A finished run outside the parent/round tree (e.g. an `evaluate_model` result)."""
+        if not self.enabled:
+            return None
+        import time
+
+        from mlflow.entities import Metric, Param
+
+        run = self.client.create_run(self.mlflow_experiment_id, run_name=name,
+                                     tags={TAG_EXPERIMENT: self.cfg.experiment, **tags})
+        ts = int(time.time() * 1000)
+        self.client.log_batch(run.info.run_id, params=[Param(k, _param(v)) for k, v in params.items()],
+                              metrics=[Metric(k, float(v), ts, 0) for k, v in sorted(metrics.items()) if _finite(v)])
+        self.client.set_terminated(run.info.run_id)
+        return run.info.run_id
+
     def metric_history(self, key: str) -> dict[int, float]:
         """Parent-run metric by round (step), e.g. `evaluate/greedy_acc`."""
         if not self.enabled or not self.parent_run_id:

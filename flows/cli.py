@@ -82,6 +82,29 @@ def _print_summary(workdir: Path, experiment: str) -> None:
 
 
 @app.command()
+def evaluate(
+    model: Annotated[str, typer.Argument(help="HF model name or local path (a round's `.../model` folder).")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="Experiment YAML: domain and evaluate settings.")]
+    = Path("configs/arith.yaml"),
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. --set evaluate.maj_k=8.")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Name for the MLflow run (default: the path's last part).")]
+    = None,
+) -> None:
+    """Held-out accuracy of any model on a config's domain (the `evaluate_model` flow)."""
+    from components.config import ConfigError, load_config
+
+    overrides = list(set_ or [])
+    try:
+        load_config(config, overrides)
+    except ConfigError as e:
+        _fail(str(e), 2)
+    if _looks_local(model) and not Path(model).exists():
+        _fail(f"model path not found: {model}", 2)
+    metrics = _run_flow("evaluate_model", model=model, config_path=str(config), overrides=overrides, name=name)
+    _print_table(["metric", "value"], [(k, round(v, 4)) for k, v in sorted(metrics.items())], title=model)
+
+
+@app.command()
 def resume(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
     """Continue an experiment from its first stage without a committed attempt."""
     from flows.evolution import CONFIG_SNAPSHOT

@@ -23,7 +23,7 @@ from components.config import ExperimentConfig, load_config
 from components.curriculum import pick_levels
 from components.locking import ExperimentLock
 from components.planning import level_pass_rates, round_stages
-from components.plots import accuracy_per_round
+from components.plots import accuracy_per_round, round_summary
 from components.store import Store
 from components.tracking import Tracker, code_version
 from tasks.stages import stage_task
@@ -78,8 +78,27 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     plot = accuracy_per_round(evals, cfg.experiment_dir / "plots" / "accuracy_per_round.png",
                               title=f"{cfg.experiment}: held-out greedy accuracy")
     tracker.log_artifact(plot, artifact_path="plots")
+    all_rounds = store.rows("SELECT * FROM v_round_summary WHERE experiment_id=? ORDER BY round", [cfg.experiment])
+    tracker.log_artifact(round_summary(all_rounds, cfg.experiment_dir / "plots" / "round_summary.png",
+                                       title=f"{cfg.experiment}: rounds"), artifact_path="plots")
+    _register_policy(cfg, store, tracker, round, s.get("greedy_acc"))
     tracker.finish_round(round)
     return {"round": round, **{k: v for k, v in s.items() if k != "experiment_id"}}
+
+
+def _register_policy(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int, acc: float | None) -> None:
+    """The round's policy becomes a version of the registered model `<experiment>-policy`."""
+    rows = store.rows("SELECT model_id, uri, stage_run_id, train_examples FROM models "
+                      "WHERE experiment_id=? AND round=? AND role='policy'", [cfg.experiment, round])
+    if not rows or not tracker.enabled:
+        return
+    m = rows[0]
+    tags = {"coevo.model_id": m["model_id"], "coevo.stage_run_id": m["stage_run_id"],
+            "coevo.train_examples": str(m["train_examples"]), "config_hash": cfg.config_hash(),
+            "coevo.lineage": f"SELECT * FROM v_lineage WHERE trained_model_id = '{m['model_id']}'"}
+    version = tracker.register_model(f"{cfg.experiment}-policy", m["uri"], round, tags, acc)
+    if version:
+        get_run_logger().info(f"registered {cfg.experiment}-policy version {version} ({m['model_id']})")
 
 
 def round_(v: Any) -> Any:
@@ -177,3 +196,28 @@ def run_stage(experiment: str, round: int, stage: str, downstream: bool = False,
             store.mark_stale(experiment, round, later)
             get_run_logger().info(f"marked stale: round {round} {later}; rerun with --downstream to recompute")
         return summary
+
+
+@flow(name="evaluate_model", log_prints=True)
+def evaluate_model(model: str, config_path: str = "configs/arith.yaml", overrides: list[str] | None = None,
+                   name: str | None = None) -> dict[str, float]:
+    """Held-out accuracy of any model (HF name or local path) on a config's domain, outside the rounds.
+
+    Runs the same `evaluate` job as a round, logs an MLflow run `eval:<name>` in the experiment
+    (tag `coevo.eval`), and publishes a Prefect table artifact. The store is not touched.
+    """
+    from components.jobs.launch import evaluate_model_job
+
+    cfg = _load(config_path, overrides)
+    logger = get_run_logger()
+    name = name or Path(model.rstrip("/")).name or model
+    out_dir, metrics = evaluate_model_job(cfg, model, name, code_version=code_version(), log=logger.info)
+    Tracker(cfg).log_run(f"eval:{name}", tags={"coevo.eval": name, "coevo.model": model},
+                         metrics={f"evaluate/{k}": v for k, v in metrics.items()},
+                         params={"model": model, "config_hash": cfg.config_hash()})
+    key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.experiment}-eval-{name}".lower()).strip("-")
+    create_table_artifact([{"metric": k, "value": round_(v)} for k, v in sorted(metrics.items())], key=key,
+                          description=f"coevo: {model} on the held-out sets of {cfg.experiment}")
+    logger.info(f"{model}: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items()) if "greedy" in k)
+                + f" (Parquet and manifest in {out_dir})")
+    return metrics

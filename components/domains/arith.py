@@ -189,6 +189,31 @@ class ArithDomain:
     extract_answer = staticmethod(extract_answer)
     verify = staticmethod(verify)
 
+    def check_steps(self, completion: str) -> bool | None:
+        """A calculator check of the worked lines, using no gold: every 'a<op>b=c' line recomputes,
+        each line starts from the previous line's result, and the '####' line repeats the last one.
+        A right answer reached through wrong steps fails it. None for the `rewrite` format.
+
+        >>> d = ArithDomain()
+        >>> d.check_steps("3+4=7\\n7-2=5\\n#### 5\\n"), d.check_steps("3+4=8\\n7-2=5\\n#### 5\\n")
+        (True, False)
+        """
+        if self.format != "chain":
+            return None
+        steps = self.split_steps(completion)
+        if not steps or not _answer_line(steps[-1]):
+            return False
+        prev = None
+        for step in steps[:-1]:
+            m = _EQUATION.fullmatch(step)
+            if m is None:
+                return False
+            a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+            if (a + b if op == "+" else a - b) != c or (prev is not None and a != prev):
+                return False
+            prev = c
+        return prev is not None and steps[-1][4:].strip() == str(prev)
+
     def oracle_step_labels(self, problem: Problem, completion: str) -> list[bool]:
         """Exact per-step truth, Math-Shepherd-style: a step is good iff the gold solution continues from it.
 

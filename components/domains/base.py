@@ -68,3 +68,7 @@ class Domain(Protocol):
     def oracle_step_labels(self, problem: Problem, completion: str) -> list[bool] | None:
         """Per step of `split_steps(completion)`: is it correct? None if the domain has no oracle."""
         ...
+
+    def check_steps(self, completion: str) -> bool | None:
+        """Does every worked step recompute (a calculator check that needs no gold)? None: no check."""
+        ...

@@ -154,6 +154,9 @@ class Gsm8kDomain:
     extract_answer = staticmethod(extract_answer)
     verify = staticmethod(verify)
 
+    def check_steps(self, completion: str) -> None:
+        return None
+
     def oracle_step_labels(self, problem: Problem, completion: str) -> None:
         """GSM8K has no step-level ground truth; step labels come from Monte Carlo rollouts instead."""
         return None

@@ -153,3 +153,32 @@ def reproduce_stage(cfg: ExperimentConfig, store: Store, round: int, stage: str,
     run_job(stage, spec_path, log, cfg.stage_timeout_s)
     a, b = content_hashes(Path(committed["out_dir"])), content_hashes(scratch)
     return {k: (a.get(k, ""), b.get(k, "")) for k in sorted(set(a) | set(b))}
+
+
+def evaluate_model_job(cfg: ExperimentConfig, model: str, name: str, *, code_version: str | None,
+                       log: Callable[[str], None] = print) -> tuple[Path, dict[str, float]]:
+    """Evaluate any model (HF name or local path) on the config's held-out sets, outside any round.
+
+    The same `evaluate` job as in a round, in its own process; its Parquet and manifest go to
+    `workdir/<experiment>/evals/<name>/a<k>/`. Nothing is committed to the store: the store holds
+    rounds, and this model belongs to none.
+    """
+    import re
+
+    from components.jobs.spec import StageSpec
+    from components.manifest import read_manifest
+    from components.seeding import derive_seed
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-") or "model"
+    base = cfg.experiment_dir / "evals" / slug
+    attempt = 1 + max([int(p.name[1:]) for p in base.glob("a*") if p.name[1:].isdigit()], default=0)
+    out_dir = base / f"a{attempt}"
+    base.mkdir(parents=True, exist_ok=True)
+    spec = StageSpec(experiment=cfg.experiment, round=0, stage="evaluate", attempt=attempt, out_dir=str(out_dir),
+                     seed=derive_seed(cfg.seed, 0, "evaluate"), config=cfg.to_dict(), config_hash=cfg.config_hash(),
+                     code_version=code_version, params={"policy_uri": model, "policy_model_id": f"external:{name}"})
+    spec_path = base / f"a{attempt}.spec.json"
+    spec_path.write_text(spec.to_json())
+    log(f"evaluating {model} into {out_dir}")
+    run_job("evaluate", spec_path, log, cfg.stage_timeout_s)
+    return out_dir, dict(read_manifest(out_dir / MANIFEST).metrics)

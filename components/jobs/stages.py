@@ -109,8 +109,12 @@ def run_filter(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     trajs = spec.rows("generate", "trajectories")
     correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications")}
     scores = {s["trajectory_id"]: s["value"] for s in spec.rows("score", "scores") if s["step_index"] == -1}
+    steps_ok = None
+    if cfg.filter.check_steps:
+        domain = _domain(spec)
+        steps_ok = {t["trajectory_id"]: domain.check_steps(t["completion"]) for t in trajs}
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
-                      dedup=cfg.filter.dedup, max_per_problem=cfg.filter.max_per_problem)
+                      dedup=cfg.filter.dedup, max_per_problem=cfg.filter.max_per_problem, steps_ok=steps_ok)
     _write(out, selections=rows)
     n_sel = sum(r["selected"] for r in rows)
     log("filter", f"selected {n_sel} of {len(rows)} trajectories for policy_sft")
@@ -180,8 +184,13 @@ def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
         steps, batch, lr = tp.steps, tp.batch_size, tp.learning_rate
         if tp.epochs is not None:
             steps = min(steps, math.ceil(tp.epochs * len(examples) / batch))
+    if not examples and spec.round == 0:
+        raise RuntimeError(f"{spec.stage_run_id}: the bootstrap has no demonstrations; nothing to train on")
     if not examples:
-        raise RuntimeError(f"{spec.stage_run_id}: no training examples were selected; nothing to train on")
+        # A round that kept nothing (no sample was right) carries its policy forward unchanged,
+        # as ReST does, instead of failing the experiment; the next round samples again.
+        log("train_policy", "WARNING: no trajectory was selected this round; the policy carries over unchanged")
+        steps = 0
     log("train_policy", f"SFT on {len(examples)} examples, {steps} steps of batch {batch}, from {init_uri}")
     if steps > 0:
         metrics = train_sft(init_uri, examples, str(model_dir),

@@ -15,19 +15,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def micro_run(prefect_server, tmp_path_factory):
-    from flows.evolution import self_evolution
-
-    workdir = tmp_path_factory.mktemp("micro")
-    overrides = [f"workdir={workdir}"]
-    summaries = self_evolution(config_path=str(REPO / "configs/micro.yaml"), overrides=overrides)
-    cfg = load_config(REPO / "configs/micro.yaml", overrides)
-    return cfg, Store(cfg.store_path), summaries
+def micro_run(micro_workdir):
+    """configs/micro.yaml as shipped, run once per session by the shared `micro_workdir` fixture."""
+    cfg = load_config(micro_workdir.config, micro_workdir.overrides("micro"))
+    return cfg, Store(cfg.store_path), micro_workdir
 
 
 def test_every_stage_committed_once(micro_run):
     cfg, store, _ = micro_run
-    cols, rows = store.query("SELECT round, stage, status, count(*) FROM stage_runs GROUP BY ALL ORDER BY 1, 2")
+    cols, rows = store.query("SELECT round, stage, status, count(*) FROM stage_runs WHERE experiment_id = 'micro' "
+                             "GROUP BY ALL ORDER BY 1, 2")
     got = {(r, s): (st, n) for r, s, st, n in rows}
     assert got[(0, "train_policy")] == ("committed", 1)
     assert got[(0, "evaluate")] == ("committed", 1)
@@ -38,23 +35,25 @@ def test_every_stage_committed_once(micro_run):
 
 def test_rows_committed_each_round(micro_run):
     cfg, store, _ = micro_run
-    _, rows = store.query("SELECT round, count(*) FROM trajectories WHERE purpose='train' GROUP BY 1 ORDER BY 1")
+    _, rows = store.query("SELECT round, count(*) FROM trajectories WHERE purpose='train' AND experiment_id='micro' "
+                          "GROUP BY 1 ORDER BY 1")
     per_round = dict(rows)
     for r in (1, 2):
-        levels = json.loads(store.query("SELECT levels_json FROM round_plans WHERE round=?", [r])[1][0][0])
+        levels = json.loads(store.query("SELECT levels_json FROM round_plans WHERE experiment_id='micro' AND round=?", [r])[1][0][0])
         expected = len(levels) * cfg.generate.problems_per_level * cfg.generate.samples_per_problem
         assert per_round[r] == expected
     n_ver = store.query("SELECT count(*) FROM verifications v JOIN trajectories t USING (trajectory_id) "
-                        "WHERE t.purpose='train'")[1][0][0]
+                        "WHERE t.purpose='train' AND t.experiment_id='micro'")[1][0][0]
     assert n_ver == sum(per_round.values())
-    assert store.query("SELECT count(*) FROM selections WHERE selected")[1][0][0] > 0
-    assert store.query("SELECT count(*) FROM models WHERE role='policy'")[1][0][0] == 3
+    assert store.query("SELECT count(*) FROM selections WHERE selected AND experiment_id='micro'")[1][0][0] > 0
+    assert store.query("SELECT count(*) FROM models WHERE role='policy' AND experiment_id='micro'")[1][0][0] == 3
 
 
 def test_accuracy_rises_at_the_curriculum_level(micro_run):
     cfg, store, _ = micro_run
-    target = max(json.loads(store.query("SELECT levels_json FROM round_plans WHERE round=1")[1][0][0]))
-    _, rows = store.query("SELECT round, value FROM evaluations WHERE metric='greedy_acc' AND level=? ORDER BY 1",
+    target = max(json.loads(store.query("SELECT levels_json FROM round_plans WHERE experiment_id='micro' AND round=1")[1][0][0]))
+    _, rows = store.query("SELECT round, value FROM evaluations WHERE metric='greedy_acc' AND level=? "
+                          "AND experiment_id='micro' ORDER BY 1",
                           [target])
     acc = dict(rows)
     assert acc[2] > acc[0], f"level {target} greedy accuracy did not rise: {acc}"
@@ -78,21 +77,45 @@ def test_mlflow_matches_the_store(micro_run):
     assert parent.data.tags["config_hash"] == cfg.config_hash()
     assert "git_sha" in parent.data.tags
     history = {m.step: m.value for m in client.get_metric_history(parent.info.run_id, "evaluate/greedy_acc")}
-    _, rows = store.query("SELECT round, greedy_acc FROM v_round_summary ORDER BY 1")
+    _, rows = store.query("SELECT round, greedy_acc FROM v_round_summary WHERE experiment_id='micro' ORDER BY 1")
     assert {r: pytest.approx(v) for r, v in rows} == history
     for child in children:
         assert child.data.metrics["evaluate/greedy_acc"] == pytest.approx(history[int(child.data.tags[TAG_ROUND])])
         assert "timing/evaluate" in child.data.metrics
     artifacts = [a.path for a in client.list_artifacts(parent.info.run_id, "plots")]
-    assert "plots/accuracy_per_round.png" in artifacts
+    assert {"plots/accuracy_per_round.png", "plots/round_summary.png"} <= set(artifacts)
+
+
+def test_each_round_policy_is_a_registered_version(micro_run):
+    from mlflow.tracking import MlflowClient
+
+    from components.tracking import tracking_uri
+
+    cfg, store, _ = micro_run
+    client = MlflowClient(tracking_uri(cfg), registry_uri=tracking_uri(cfg))
+    versions = {int(v.tags["coevo.round"]): v for v in client.search_model_versions("name = 'micro-policy'")}
+    assert sorted(versions) == [0, 1, 2]
+    uris = dict(store.query("SELECT round, uri FROM models WHERE experiment_id='micro' AND role='policy'")[1])
+    for r, v in versions.items():
+        assert v.tags["coevo.model_id"] == f"micro/policy/r{r}"
+        assert client.get_run(v.run_id).data.tags["coevo.round"] == str(r)
+        assert int(v.tags["coevo.train_examples"]) > 0
+        # The registered source is a copy of the committed checkpoint, logged to the round's run.
+        logged = {a.path for a in client.list_artifacts(v.run_id, "policy")}
+        assert "policy/model.safetensors" in logged
+        assert {p.name for p in Path(uris[r]).iterdir()} == {Path(p).name for p in logged}
+    acc = dict(store.query("SELECT round, greedy_acc FROM v_round_summary WHERE experiment_id='micro'")[1])
+    assert client.get_model_version_by_alias("micro-policy", "current").version == versions[2].version
+    best_round = max(acc, key=lambda r: (acc[r], -r))
+    assert client.get_model_version_by_alias("micro-policy", "best").version == versions[best_round].version
 
 
 def test_second_run_is_a_no_op_resume(micro_run, prefect_server):
     from flows.evolution import self_evolution
 
-    cfg, store, _ = micro_run
+    cfg, store, w = micro_run
     before = store.table_hashes(cfg.experiment)
-    self_evolution(config_path=str(REPO / "configs/micro.yaml"), overrides=[f"workdir={cfg.workdir}"])
+    self_evolution(config_path=str(w.config), overrides=w.overrides("micro"))
     assert store.table_hashes(cfg.experiment) == before
     assert store.query("SELECT count(*) FROM stage_runs WHERE status <> 'committed'")[1][0][0] == 0
 
@@ -110,3 +133,24 @@ def test_lineage_names_the_exact_training_examples(micro_run):
     n_train = store.query("SELECT train_examples FROM models WHERE model_id = ?",
                           [f"{cfg.experiment}/policy/r2"])[1][0][0]
     assert sum(v[0] for v in by_use.values()) == n_train
+
+
+def test_evaluate_model_scores_any_model_path_like_the_round(micro_run, prefect_server, tmp_path):
+    """`evaluate_model` on round 2's checkpoint, from another workdir, gives round 2's greedy accuracy."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.evolution import evaluate_model
+
+    cfg, store, w = micro_run
+    model = store.query("SELECT uri FROM models WHERE model_id = ?", [f"{cfg.experiment}/policy/r2"])[1][0][0]
+    overrides = [f"workdir={tmp_path}", "experiment=eval-check"]
+    metrics = evaluate_model(model=model, config_path=str(w.config), overrides=overrides, name="micro-r2")
+    want = dict(store.query("SELECT level, value FROM evaluations WHERE experiment_id='micro' AND round=2 "
+                            "AND metric='greedy_acc'")[1])
+    assert metrics["greedy_acc"] == pytest.approx(want[-1])
+    assert {int(k.rsplit("_L", 1)[1]) for k in metrics if k.startswith("greedy_acc_L")} == set(want) - {-1}
+    assert (tmp_path / "eval-check" / "evals" / "micro-r2" / "a1" / "manifest.json").is_file()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("eval-check").experiment_id])
+    assert [r.info.run_name for r in runs] == ["eval:micro-r2"]
+    assert runs[0].data.metrics["evaluate/greedy_acc"] == pytest.approx(want[-1])

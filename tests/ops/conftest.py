@@ -1,42 +1,15 @@
-"""One workdir with two micro experiments, run once per session for the operator tests and notebooks.
-
-`micro` is configs/micro.yaml as shipped; `micro-b` is the same with seed 1 and half the training
-steps (to keep the suite short), so `coevo compare` has two real experiments to put side by side. Both run through the real `self_evolution` flow under
-Prefect's test harness, with MLflow on the workdir's SQLite store.
-"""
+"""The operator tests read the session's `micro_workdir` (tests/conftest.py): `micro` as shipped and
+`micro-b`, another seed, so `coevo compare` has two real experiments to put side by side."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO = REPO / "configs" / "micro.yaml"
-
-
-@dataclass(frozen=True)
-class MicroWorkdir:
-    path: Path
-    experiments: tuple[str, str] = ("micro", "micro-b")
-
-
-@pytest.fixture(scope="session")
-def micro_workdir(tmp_path_factory) -> MicroWorkdir:
-    from prefect.testing.utilities import prefect_test_harness
-
-    from flows.evolution import self_evolution
-
-    workdir = tmp_path_factory.mktemp("ops-micro")
-    with prefect_test_harness(server_startup_timeout=120):
-        self_evolution(config_path=str(MICRO), overrides=[f"workdir={workdir}"])
-        self_evolution(config_path=str(MICRO), overrides=[f"workdir={workdir}", "experiment=micro-b", "seed=1",
-                                                          "bootstrap.steps=100", "train_policy.steps=40"])
-    return MicroWorkdir(workdir)
 
 
 def coevo(*args: str, env: dict[str, str] | None = None, check: bool = True,

@@ -92,10 +92,10 @@ def test_infra_files_load(name):
         from flows.deployments import build_deployments
 
         entry = {d["entrypoint"].split(":")[1] for d in doc["deployments"]}
-        assert {"self_evolution", "evolution_round", "run_stage"} <= entry
+        assert {"self_evolution", "evolution_round", "run_stage", "evaluate_model"} <= entry
         deps = build_deployments(REPO / "infra" / name, log=lambda m: None)
         by_flow = {d.flow_name: d for d in deps}
-        assert set(by_flow) >= {"self_evolution", "evolution_round", "run_stage"}
+        assert set(by_flow) >= {"self_evolution", "evolution_round", "run_stage", "evaluate_model"}
         # The UI's parameter form is the flow's typed signature.
         from prefect.utilities.callables import parameter_schema
 

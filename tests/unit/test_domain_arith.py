@@ -229,3 +229,25 @@ def test_problem_is_frozen_and_hashable():
     with pytest.raises(AttributeError):
         p.answer = "8"  # type: ignore[misc]
     assert {p, arith("3+4\n")} == {p}
+
+
+def test_check_steps_is_a_calculator_check_without_gold():
+    d = ArithDomain()
+    assert d.check_steps("3+4=7\n7-2=5\n#### 5\n") is True
+    assert d.check_steps("3+4=8\n8-3=5\n#### 5\n") is False      # a wrong sum, right answer
+    assert d.check_steps("3+4=7\n6-1=5\n#### 5\n") is False      # does not continue from 7
+    assert d.check_steps("3+4=7\n7-2=5\n#### 6\n") is False      # answer is not the last result
+    assert d.check_steps("3+4=7\n7-2=5\n") is False               # no answer line
+    assert ArithDomain(format="rewrite").check_steps("7-2\n#### 5\n") is None
+
+
+def test_filter_drops_right_answers_with_wrong_steps():
+    from components.filtering import rft_filter
+
+    ts = [{"trajectory_id": t, "problem_id": "p", "completion": c, "sample_index": i}
+          for i, (t, c) in enumerate([("a", "3+4=8\n8-3=5\n#### 5\n"), ("b", "3+4=7\n7-2=5\n#### 5\n")])]
+    d = ArithDomain()
+    rows = rft_filter(ts, {"a": True, "b": True}, {}, experiment="e", round=1, dedup=True, max_per_problem=4,
+                      steps_ok={t["trajectory_id"]: d.check_steps(t["completion"]) for t in ts})
+    assert [(r["trajectory_id"], r["selected"], r["reason"]) for r in rows] == [
+        ("a", False, "steps do not check"), ("b", True, "correct")]

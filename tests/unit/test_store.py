@@ -147,5 +147,23 @@ def test_schema_has_the_design_tables(tmp_path):
     con.close()
     for t in ["experiments", "stage_runs", "problems", "trajectories", "steps", "verifications", "step_labels",
               "scores", "selections", "models", "evaluations", "v_round_summary", "v_trajectory_scores",
-              "v_lineage", "v_stage_timings"]:
+              "v_lineage", "v_stage_timings", "v_prm_calibration", "model_inputs"]:
         assert t in names
+
+
+def test_prm_calibration_view_pairs_step_scores_with_labels(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    store.init()
+    con = duckdb.connect(str(store.path))
+    con.execute("INSERT INTO trajectories (trajectory_id, experiment_id, round, purpose, problem_id, level, "
+                "sample_index, prompt, completion, num_tokens, stage_run_id) "
+                "VALUES ('t', 'e', 1, 'train', 'p', 2, 0, '3+4-2\n', '3+4=7\n7-2=5\n#### 5\n', 12, 'x')")
+    con.execute("INSERT INTO scores VALUES ('t', 'prm', 'e/prm/r0', 0, 'step', 0.93, 'x'), "
+                "('t', 'prm', 'e/prm/r0', 1, 'step', 0.12, 'x'), ('t', 'prm', 'e/prm/r0', -1, 'min', 0.12, 'x'), "
+                "('t', 'prm', 'e/prm/r0', 2, 'step', 1.0, 'x')")
+    con.execute("INSERT INTO step_labels VALUES ('t', 0, 'mc_soft', 0.75, 4, 'x'), ('t', 0, 'oracle', 1, NULL, 'x'), "
+                "('t', 1, 'mc_soft', 0.25, 4, 'x'), ('t', 1, 'mc_hard', 1, 4, 'x')")
+    con.close()
+    _, rows = store.query("SELECT step_index, score, score_bin, mc_soft, mc_hard, oracle FROM v_prm_calibration "
+                          "ORDER BY step_index")
+    assert rows == [(0, 0.93, 9, 0.75, None, 1.0), (1, 0.12, 1, 0.25, 1.0, None), (2, 1.0, 9, None, None, None)]
