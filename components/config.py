@@ -87,8 +87,9 @@ class FilterConfig(_Section):
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
     check_steps: bool = Field(
-        False, description="Also drop right answers whose worked steps do not recompute (the domain's "
-                           "calculator check; it uses no gold step labels). Ignored where a domain has none.",
+        False, description="Also drop right answers whose worked steps do not check out against the problem "
+                           "(the domain's step checker, run like rStar-Math's code execution; it compares with no "
+                           "gold solution). Ignored where a domain has none.",
     )
 
 

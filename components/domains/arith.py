@@ -189,30 +189,34 @@ class ArithDomain:
     extract_answer = staticmethod(extract_answer)
     verify = staticmethod(verify)
 
-    def check_steps(self, completion: str) -> bool | None:
-        """A calculator check of the worked lines, using no gold: every 'a<op>b=c' line recomputes,
-        each line starts from the previous line's result, and the '####' line repeats the last one.
-        A right answer reached through wrong steps fails it. None for the `rewrite` format.
+    def check_steps(self, prompt: str, completion: str) -> bool | None:
+        """A step checker, as rStar-Math verifies each step by executing it: every worked line must
+        apply the problem's next operation to the previous line's result and compute it right, and
+        the '####' line must repeat the last result. It reads the problem statement, not the answer,
+        so a right answer reached by skipping an operation ('2+6-3+0' in two steps) or by two
+        cancelling slips fails it. Arithmetic is fully checkable, so in this domain it passes
+        exactly when every oracle step label is True. None for the `rewrite` format.
 
         >>> d = ArithDomain()
-        >>> d.check_steps("3+4=7\\n7-2=5\\n#### 5\\n"), d.check_steps("3+4=8\\n7-2=5\\n#### 5\\n")
+        >>> d.check_steps("3+4-2\\n", "3+4=7\\n7-2=5\\n#### 5\\n"), d.check_steps("3+4-2\\n", "3+4=8\\n8-3=5\\n#### 5\\n")
         (True, False)
         """
         if self.format != "chain":
             return None
+        operands, ops = _parse_prompt(prompt)
         steps = self.split_steps(completion)
-        if not steps or not _answer_line(steps[-1]):
+        if len(steps) != len(ops) + 1 or not _answer_line(steps[-1]):
             return False
-        prev = None
-        for step in steps[:-1]:
+        prev = operands[0]
+        for k, step in enumerate(steps[:-1]):
             m = _EQUATION.fullmatch(step)
             if m is None:
                 return False
             a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
-            if (a + b if op == "+" else a - b) != c or (prev is not None and a != prev):
+            if (a, op, b) != (prev, ops[k], operands[k + 1]) or (a + b if op == "+" else a - b) != c:
                 return False
             prev = c
-        return prev is not None and steps[-1][4:].strip() == str(prev)
+        return steps[-1][4:].strip() == str(prev)
 
     def oracle_step_labels(self, problem: Problem, completion: str) -> list[bool]:
         """Exact per-step truth, Math-Shepherd-style: a step is good iff the gold solution continues from it.

@@ -69,6 +69,7 @@ class Domain(Protocol):
         """Per step of `split_steps(completion)`: is it correct? None if the domain has no oracle."""
         ...
 
-    def check_steps(self, completion: str) -> bool | None:
-        """Does every worked step recompute (a calculator check that needs no gold)? None: no check."""
+    def check_steps(self, prompt: str, completion: str) -> bool | None:
+        """Does every worked step check out against the problem (executed, not compared with a gold
+        solution)? None where the domain has no step checker."""
         ...

@@ -154,7 +154,7 @@ class Gsm8kDomain:
     extract_answer = staticmethod(extract_answer)
     verify = staticmethod(verify)
 
-    def check_steps(self, completion: str) -> None:
+    def check_steps(self, prompt: str, completion: str) -> None:
         return None
 
     def oracle_step_labels(self, problem: Problem, completion: str) -> None:

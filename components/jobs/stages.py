@@ -112,7 +112,7 @@ def run_filter(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     steps_ok = None
     if cfg.filter.check_steps:
         domain = _domain(spec)
-        steps_ok = {t["trajectory_id"]: domain.check_steps(t["completion"]) for t in trajs}
+        steps_ok = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
                       dedup=cfg.filter.dedup, max_per_problem=cfg.filter.max_per_problem, steps_ok=steps_ok)
     _write(out, selections=rows)

@@ -231,14 +231,28 @@ def test_problem_is_frozen_and_hashable():
     assert {p, arith("3+4\n")} == {p}
 
 
-def test_check_steps_is_a_calculator_check_without_gold():
+def test_check_steps_executes_each_step_against_the_problem():
     d = ArithDomain()
-    assert d.check_steps("3+4=7\n7-2=5\n#### 5\n") is True
-    assert d.check_steps("3+4=8\n8-3=5\n#### 5\n") is False      # a wrong sum, right answer
-    assert d.check_steps("3+4=7\n6-1=5\n#### 5\n") is False      # does not continue from 7
-    assert d.check_steps("3+4=7\n7-2=5\n#### 6\n") is False      # answer is not the last result
-    assert d.check_steps("3+4=7\n7-2=5\n") is False               # no answer line
-    assert ArithDomain(format="rewrite").check_steps("7-2\n#### 5\n") is None
+    assert d.check_steps("3+4-2\n", "3+4=7\n7-2=5\n#### 5\n") is True
+    assert d.check_steps("3+4-2\n", "3+4=8\n8-3=5\n#### 5\n") is False      # two slips that cancel
+    assert d.check_steps("3+4-2\n", "3+4=7\n6-1=5\n#### 5\n") is False      # does not continue from 7
+    assert d.check_steps("3+4-2\n", "3+4=7\n7-2=5\n#### 6\n") is False      # answer is not the last result
+    assert d.check_steps("3+4-2\n", "3+4=7\n7-2=5\n") is False               # no answer line
+    assert d.check_steps("2+6-3+0\n", "2+6=8\n8-3=5\n#### 5\n") is False    # skipped the +0
+    assert d.check_steps("2+6-3+0\n", "2+6=8\n8-3=5\n5+0=5\n#### 5\n") is True
+    assert ArithDomain(format="rewrite").check_steps("7-2\n", "5\n#### 5\n") is None
+
+
+def test_check_steps_agrees_with_the_oracle_labels():
+    d = ArithDomain()
+    rng = random.Random(0)
+    for p in d.sample_problems(level=3, n=50, seed=1):
+        good = d.reference_solution(p)
+        lines = good.splitlines()
+        k = rng.randrange(len(lines) - 1)
+        bad = "\n".join(lines[:k] + [lines[k].replace("=", "=1", 1)] + lines[k + 1:]) + "\n"
+        for c in (good, bad):
+            assert d.check_steps(p.prompt, c) == all(d.oracle_step_labels(p, c)), (p.prompt, c)
 
 
 def test_filter_drops_right_answers_with_wrong_steps():
@@ -248,6 +262,6 @@ def test_filter_drops_right_answers_with_wrong_steps():
           for i, (t, c) in enumerate([("a", "3+4=8\n8-3=5\n#### 5\n"), ("b", "3+4=7\n7-2=5\n#### 5\n")])]
     d = ArithDomain()
     rows = rft_filter(ts, {"a": True, "b": True}, {}, experiment="e", round=1, dedup=True, max_per_problem=4,
-                      steps_ok={t["trajectory_id"]: d.check_steps(t["completion"]) for t in ts})
+                      steps_ok={t["trajectory_id"]: d.check_steps("3+4-2\n", t["completion"]) for t in ts})
     assert [(r["trajectory_id"], r["selected"], r["reason"]) for r in rows] == [
         ("a", False, "steps do not check"), ("b", True, "correct")]
