@@ -18,13 +18,7 @@ SMALL = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_
 PROMPTS = ["3+4\n", "1+2\n", "9-5\n", "2+2\n"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # 1 intra-op thread: on a small shared CPU, 2 threads can be 10x slower when the cores are busy.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-import torch
 
 from components.models.backends import HFBackend
 from components.models.tiny import TinyLlamaConfig, create_tiny_llama
@@ -14,12 +13,7 @@ from components.training.sft import SFTParams, train_sft
 SMALL = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=192)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
