@@ -40,12 +40,15 @@ $(BROWSER):
 browser: $(BROWSER)
 
 run: $(STAMP)
+	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/coevo run --config $(CONFIG)
 
 test: $(STAMP) $(BROWSER)
+	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
+	@mkdir -p $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ui-mlflow: $(STAMP)
