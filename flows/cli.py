@@ -104,6 +104,16 @@ def evaluate(
     _print_table(["metric", "value"], [(k, round(v, 4)) for k, v in sorted(metrics.items())], title=model)
 
 
+@app.command("config-schema")
+def config_schema() -> None:
+    """Print the JSON schema of an experiment config: every section, field, type, default and description."""
+    import json
+
+    from components.config import ExperimentConfig
+
+    print(json.dumps(ExperimentConfig.model_json_schema(), indent=2))
+
+
 @app.command()
 def resume(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
     """Continue an experiment from its first stage without a committed attempt."""

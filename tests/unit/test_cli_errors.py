@@ -45,6 +45,16 @@ def test_wrong_type_in_override(tmp_path):
     _nothing_written(tmp_path)
 
 
+def test_the_schema_the_unknown_key_message_points_to(tmp_path):
+    import json
+
+    p = coevo("config-schema", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    schema = json.loads(p.stdout)
+    assert {"domain", "policy", "generate", "filter", "train_policy", "evaluate"} <= set(schema["properties"])
+    assert "check_steps" in schema["$defs"]["FilterConfig"]["properties"]
+
+
 def test_missing_model_path(tmp_path):
     r = coevo("run", "--config", str(REPO / "configs/micro.yaml"), "--set", f"workdir={tmp_path / 'wd'}",
               "--set", "policy.model=./no/such/model", cwd=tmp_path)
