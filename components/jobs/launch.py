@@ -46,7 +46,12 @@ class StageResult:
 
 
 def job_command(stage: str, spec_path: Path) -> list[str]:
-    return [sys.executable, "-m", "components.jobs", stage, "--spec", str(spec_path)]
+    """`python -m components.jobs <stage> --spec …`, with the flow's interpreter unless
+    `COEVO_JOB_PYTHON_<STAGE>` names another: e.g. a venv with vLLM for `generate`, whose pins
+    (fastapi, transformers) clash with Prefect's. That venv needs this project too
+    (`pip install --no-deps -e .`)."""
+    python = os.environ.get(f"COEVO_JOB_PYTHON_{stage.upper()}") or sys.executable
+    return [python, "-m", "components.jobs", stage, "--spec", str(spec_path)]
 
 
 def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,

@@ -167,3 +167,4 @@ def test_prm_calibration_view_pairs_step_scores_with_labels(tmp_path):
     _, rows = store.query("SELECT step_index, score, score_bin, mc_soft, mc_hard, oracle FROM v_prm_calibration "
                           "ORDER BY step_index")
     assert rows == [(0, 0.93, 9, 0.75, None, 1.0), (1, 0.12, 1, 0.25, 1.0, None), (2, 1.0, 9, None, None, None)]
+
