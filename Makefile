@@ -39,16 +39,17 @@ $(BROWSER):
 
 browser: $(BROWSER)
 
-run: $(STAMP)
-	@mkdir -p $(PREFECT_HOME)
+# Prefect cannot create its SQLite database in a missing folder.
+$(PREFECT_HOME):
+	@mkdir -p $@
+
+run: $(STAMP) | $(PREFECT_HOME)
 	$(BIN)/coevo run --config $(CONFIG)
 
-test: $(STAMP) $(BROWSER)
-	@mkdir -p $(PREFECT_HOME)
+test: $(STAMP) $(BROWSER) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
-	@mkdir -p $(PREFECT_HOME)
+test-fast: $(STAMP) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ui-mlflow: $(STAMP)

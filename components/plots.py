@@ -32,11 +32,7 @@ def accuracy_per_round(evaluations: list[dict[str, Any]], path: Path, title: str
     ax.grid(alpha=0.3)
     ax.set_title(title)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
@@ -67,6 +63,10 @@ def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path
         a.set_xticks(rounds)
         a.grid(alpha=0.3)
     fig.suptitle(title)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
