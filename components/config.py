@@ -79,11 +79,37 @@ class VerifyConfig(_Section):
 
 
 class ScoreConfig(_Section):
-    reward_model: Literal["none", "prm", "orm"] = Field("none", description="'none' scores by verifier outcome.")
+    """Step labels (Monte Carlo rollouts, oracle) and reward-model scores for the round's trajectories."""
+
+    reward_model: Literal["none", "prm", "orm"] = Field(
+        "none", description="The previous round's reward model scores every step and trajectory; 'none' scores "
+                            "by verifier outcome only (round 1 of a coevo run has no previous reward model yet).")
+    mc_rollouts: int = Field(
+        0, ge=0, description="k completions per step prefix, verified (Math-Shepherd); 0 = no Monte Carlo labels.")
+    mc_max_trajectories: int | None = Field(
+        None, ge=1, description="Label at most this many distinct trajectories per round (a seeded sample, half "
+                                "correct and half incorrect where possible): rollouts cost k tokens per step.")
+    mc_temperature: float = Field(0.8, ge=0.0)
+    mc_max_new_tokens: int | None = Field(None, ge=1, description="Null: generate.max_new_tokens.")
+    oracle_labels: bool = Field(
+        True, description="Store the domain's exact step labels (source 'oracle') where it has them: for "
+                          "evaluation only, never for training.")
 
 
 class FilterConfig(_Section):
     keep: Literal["correct"] = "correct"
+    rank_by: Literal["min", "last", "mean"] = Field(
+        "min", description="Reward-model aggregate that ranks correct trajectories (coevo); where a round has no "
+                           "reward-model scores yet, the mean Monte Carlo value of the steps ranks them.")
+    drop_mc_bad_steps: bool = Field(
+        False, description="Drop a right answer when a step's Monte Carlo hard label is 0: no rollout from that "
+                           "step reached the answer, so the step is likely wrong (Math-Shepherd).")
+    min_step_score: float | None = Field(
+        None, ge=0.0, le=1.0, description="Drop a right answer whose weakest step the previous round's PRM scores "
+                                          "below this: the PRM as a learned step checker (no effect before a PRM exists).")
+    dpo_pairs: bool = Field(False, description="Also select DPO pairs: per problem, the best-scored correct "
+                                               "trajectory against the worst-scored incorrect one.")
+    max_pairs_per_problem: int = Field(1, ge=1)
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
     check_steps: bool = Field(
@@ -93,8 +119,23 @@ class FilterConfig(_Section):
     )
 
 
+class DPOConfig(_Section):
+    """Preference training of the policy on the filter's pairs (TRL DPOTrainer, Rafailov et al. 2023)."""
+
+    steps: int = Field(100, ge=1)
+    batch_size: int = Field(32, ge=1, description="Pairs per optimizer step.")
+    learning_rate: float = Field(5e-5, gt=0)
+    beta: float = Field(0.1, gt=0, description="DPO temperature: how far the policy may move from the reference.")
+    reference: Literal["previous", "initial"] = Field(
+        "previous", description="The frozen reference: the previous round's policy, or the round-0 model.")
+    sft_weight: float = Field(0.0, ge=0, description="NLL on the chosen completion added to the loss (RPO).")
+
+
 class TrainPolicyConfig(_Section):
-    method: Literal["sft"] = "sft"
+    method: Literal["sft", "dpo", "sft+dpo"] = Field(
+        "sft", description="'sft' on the selected trajectories; 'dpo' on the filter's pairs; 'sft+dpo' both, "
+                           "SFT first.")
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     init: Literal["previous", "base"] = Field(
         "previous", description="Continue from the previous round's policy, or restart from the round-0 model (ReST-EM)."
     )
@@ -112,7 +153,26 @@ class TrainPolicyConfig(_Section):
 
 
 class TrainRewardConfig(_Section):
+    """The round's process reward model, trained on Monte Carlo step labels (and optionally an ORM)."""
+
     enabled: bool = False
+    label_source: Literal["mc_hard", "mc_soft"] = Field(
+        "mc_hard", description="Math-Shepherd hard labels (any rollout right) or soft ones thresholded.")
+    soft_threshold: float = Field(0.5, gt=0.0, le=1.0, description="mc_soft >= this is a good step.")
+    window_rounds: int | None = Field(
+        None, ge=1, description="Train on the labels of the last W rounds; null: all rounds so far.")
+    consensus_filter: bool = Field(
+        False, description="Keep a label only where the previous PRM agrees with it (Zhang et al. 2025, The "
+                           "Lessons of Developing PRMs); labels the previous PRM did not score are kept.")
+    init: Literal["previous", "policy"] = Field(
+        "previous", description="Warm-start from the previous round's PRM, or put a new head on the policy that "
+                                "sampled the round.")
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    orm: bool = Field(False, description="Also train an outcome reward model (TRL RewardTrainer) on outcome "
+                                         "pairs, for ORM best-of-N.")
+    orm_steps: int = Field(200, ge=1)
 
 
 class EvaluateConfig(_Section):
@@ -121,6 +181,9 @@ class EvaluateConfig(_Section):
     maj_k: int = Field(4, ge=1, description="Samples per problem for maj@k.")
     temperature: float = Field(0.8, ge=0.0, description="Sampling temperature for maj@k.")
     max_new_tokens: int = Field(96, ge=1)
+    best_of_n: list[int] = Field(
+        default_factory=list, description="N for reward-model best-of-N and maj@N (e.g. [4, 8, 16]); needs the "
+                                          "round's reward model. Samples per problem = max(maj_k, max N).")
 
 
 class CurriculumConfig(_Section):
@@ -153,7 +216,9 @@ class ExperimentConfig(_Section):
     experiment: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name; names the workdir folder.")
     seed: int = 0
     workdir: str = Field("workdir", description="Root for stage outputs, the DuckDB store and the MLflow store.")
-    recipe: Literal["rft"] = Field("rft", description="'rft': outcome filter only (STaR / ReST-EM).")
+    recipe: Literal["rft", "coevo"] = Field(
+        "rft", description="'rft': outcome filter only, no reward model (STaR / ReST-EM). 'coevo': a PRM trained on "
+                           "Monte Carlo step labels ranks the data, and policy and PRM improve together.")
     rounds: int = Field(4, ge=0, description="Self-improvement rounds after round 0 (bootstrap).")
     stage_timeout_s: int = Field(3600, ge=1)
     stage_retries: int = Field(1, ge=0, description="Retries for transient stage failures (killed process, OOM).")
@@ -183,6 +248,19 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"score.reward_model={self.score.reward_model!r} needs a reward model: set train_reward.enabled=true"
             )
+        if self.score.reward_model == "orm" and not self.train_reward.orm:
+            raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
+        if self.train_reward.enabled and self.score.mc_rollouts < 1:
+            raise ValueError("train_reward.enabled needs step labels to train on: set score.mc_rollouts >= 1")
+        if self.recipe == "rft" and self.train_reward.enabled:
+            raise ValueError("recipe 'rft' uses no reward model: set recipe=coevo, or train_reward.enabled=false")
+        if self.recipe == "coevo" and not self.train_reward.enabled:
+            raise ValueError("recipe 'coevo' trains a PRM each round: set train_reward.enabled=true")
+        if self.train_policy.method != "sft" and not self.filter.dpo_pairs:
+            raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set filter.dpo_pairs=true")
+        if self.evaluate.best_of_n and not self.train_reward.enabled:
+            raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
+                             "train_reward.enabled=true (recipe coevo), or best_of_n=[]")
         return self
 
     # -- derived -------------------------------------------------------------------------

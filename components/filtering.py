@@ -57,3 +57,45 @@ def rft_filter(
             rank += keep
     rows.sort(key=lambda r: r["trajectory_id"])
     return rows
+
+
+def dpo_pairs(
+    trajectories: list[dict[str, Any]], correct: dict[str, bool | None], scores: dict[str, float], *,
+    experiment: str, round: int, max_pairs_per_problem: int, eligible: dict[str, bool] | None = None,
+) -> list[dict[str, Any]]:
+    """Rows for `selections` with purposes `dpo_chosen` and `dpo_rejected`, joined by `pair_id`.
+
+    Per problem: the best-scored eligible correct trajectories against the worst-scored incorrect
+    ones (ties: sample order), distinct texts only, at most `max_pairs_per_problem` pairs. `eligible`
+    (e.g. the SFT filter's verdict, so a chosen answer's steps also check out) defaults to correct.
+    Only trajectories in a pair get a row: the SFT filter's rows already explain the rest.
+
+    >>> ts = [{"trajectory_id": t, "problem_id": "p", "completion": t, "sample_index": i}
+    ...       for i, t in enumerate("abcd")]
+    >>> rows = dpo_pairs(ts, {"a": True, "b": True, "c": False, "d": False}, {"a": .4, "b": .9, "c": .3, "d": .1},
+    ...                  experiment="e", round=1, max_pairs_per_problem=1)
+    >>> [(r["trajectory_id"], r["purpose"], r["pair_id"]) for r in rows]
+    [('b', 'dpo_chosen', 'e/r1/p/0'), ('d', 'dpo_rejected', 'e/r1/p/0')]
+    """
+    eligible = eligible if eligible is not None else {t: bool(ok) for t, ok in correct.items()}
+    by_problem: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for t in trajectories:
+        by_problem[t["problem_id"]].append(t)
+    rows = []
+    for pid in sorted(by_problem):
+        def distinct(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            seen: set[str] = set()
+            return [t for t in group if not (t["completion"] in seen or seen.add(t["completion"]))]
+
+        order = sorted(by_problem[pid], key=lambda t: (-scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
+        good = distinct([t for t in order if correct.get(t["trajectory_id"]) and eligible.get(t["trajectory_id"])])
+        worst_first = sorted(by_problem[pid], key=lambda t: (scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
+        bad = distinct([t for t in worst_first if correct.get(t["trajectory_id"]) is False])
+        for j, (g, b) in enumerate(zip(good, bad)):
+            if j >= max_pairs_per_problem:
+                break
+            pair = f"{experiment}/r{round}/{pid}/{j}"
+            for t, purpose, why in ((g, "dpo_chosen", "correct, best reward"), (b, "dpo_rejected", "incorrect, worst reward")):
+                rows.append({"trajectory_id": t["trajectory_id"], "experiment_id": experiment, "round": round,
+                             "purpose": purpose, "selected": True, "rank": j, "reason": why, "pair_id": pair})
+    return rows

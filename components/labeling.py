@@ -97,3 +97,57 @@ def oracle_labels(domain: Domain, problems_by_id: dict[str, Problem],
         rows += [{"trajectory_id": it["trajectory_id"], "step_index": i, "source": "oracle",
                   "value": 1.0 if ok else 0.0, "num_rollouts": 0} for i, ok in enumerate(labels)]
     return rows
+
+
+def first_error(ok: list[bool]) -> int:
+    """Index of the first bad step, -1 if none (ProcessBench's convention).
+
+    >>> first_error([True, False, False]), first_error([True, True])
+    (1, -1)
+    """
+    return next((i for i, v in enumerate(ok) if not v), -1)
+
+
+def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[str, float]]], *, source: str,
+                 soft_threshold: float = 0.5, prior_scores: dict[str, list[float]] | None = None,
+                 consensus: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """PRM training examples from Monte Carlo labels, and a keep/drop decision per trajectory.
+
+    `items`: {"trajectory_id", "prompt", "steps"}; `labels[tid][step][source]` the stored values.
+    A trajectory is used when every step has a `source` label. Identical (prompt, steps) texts give
+    one example. With `consensus`, a trajectory the previous PRM scored is kept only when both put
+    its first error at the same step (consensus filtering, Zhang et al. 2025, "The Lessons of
+    Developing Process Reward Models", https://arxiv.org/abs/2501.07301); unscored ones are kept.
+
+    >>> items = [{"trajectory_id": "a", "prompt": "p", "steps": ["x", "y"]},
+    ...          {"trajectory_id": "b", "prompt": "q", "steps": ["x", "z"]}]
+    >>> labels = {"a": {0: {"mc_hard": 1.0}, 1: {"mc_hard": 0.0}}, "b": {0: {"mc_hard": 1.0}, 1: {"mc_hard": 1.0}}}
+    >>> ex, dec = prm_examples(items, labels, source="mc_hard", prior_scores={"b": [0.9, 0.1]}, consensus=True)
+    >>> [(e["prompt"], e["labels"]) for e in ex], [(d["trajectory_id"], d["selected"], d["reason"]) for d in dec]
+    ([('p', [True, False])], [('a', True, 'mc labels'), ('b', False, 'consensus: mc first error -1, prm 1')])
+    """
+    if source not in ("mc_hard", "mc_soft"):
+        raise ValueError(f"prm_examples: source must be mc_hard or mc_soft, got {source!r}")
+    threshold = 0.5 if source == "mc_hard" else soft_threshold
+    examples, decisions, seen = [], [], set()
+    for it in items:
+        tid, per_step = it["trajectory_id"], labels.get(it["trajectory_id"], {})
+        values = [per_step.get(i, {}).get(source) for i in range(len(it["steps"]))]
+        if not it["steps"] or any(v is None for v in values):
+            continue
+        ok = [v >= threshold for v in values]
+        reason, keep = "mc labels", True
+        prior = (prior_scores or {}).get(tid)
+        if consensus and prior is not None:
+            mc_err, prm_err = first_error(ok), first_error([s >= 0.5 for s in prior])
+            if mc_err != prm_err:
+                reason, keep = f"consensus: mc first error {mc_err}, prm {prm_err}", False
+        key = (it["prompt"], tuple(it["steps"]))
+        if keep and key in seen:
+            reason, keep = "duplicate", False
+        decisions.append({"trajectory_id": tid, "selected": keep, "reason": reason})
+        if keep:
+            seen.add(key)
+            examples.append({"prompt": it["prompt"], "completions": list(it["steps"]), "labels": ok,
+                             "trajectory_id": tid})
+    return examples, decisions

@@ -59,6 +59,19 @@ def input_ref(store: Store, experiment: str, round: int, stage: str) -> InputRef
                     manifest_sha256=run["manifest_sha256"], tables=tables)
 
 
+def optional_model(store: Store, experiment: str, round: int, role: str) -> dict[str, Any] | None:
+    try:
+        return committed_model(store, experiment, round, role)
+    except PlanningError:
+        return None
+
+
+def label_rounds(cfg: ExperimentConfig, round: int) -> list[int]:
+    """Rounds whose step labels train this round's reward model: all so far, or the last `window_rounds`."""
+    w = cfg.train_reward.window_rounds
+    return list(range(1 if w is None else max(1, round - w + 1), round + 1))
+
+
 def committed_model(store: Store, experiment: str, round: int, role: str = "policy") -> dict[str, Any]:
     rows = store.rows(
         "SELECT m.* FROM models m JOIN stage_runs s USING (stage_run_id) "
@@ -93,6 +106,21 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
         policy = committed_model(store, exp, round - 1)
         params |= {"levels": levels, "policy_uri": policy["uri"], "policy_model_id": policy["model_id"],
                    "problem_seeds": {str(lv): derive_seed(cfg.seed, round, "problems", lv) for lv in levels}}
+    elif stage == "score":
+        policy = committed_model(store, exp, round - 1)
+        params |= {"policy_uri": policy["uri"], "policy_model_id": policy["model_id"]}
+        rm = optional_model(store, exp, round - 1, cfg.score.reward_model) if cfg.score.reward_model != "none" else None
+        if rm:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
+            params |= {"reward_model_uri": rm["uri"], "reward_model_id": rm["model_id"]}
+    elif stage == "train_reward":
+        policy = committed_model(store, exp, round - 1)
+        prev = optional_model(store, exp, round - 1, "prm")
+        params |= {"policy_uri": policy["uri"], "label_rounds": label_rounds(cfg, round),
+                   "init_prm_uri": prev["uri"] if prev and cfg.train_reward.init == "previous" else None,
+                   "parent_model_id": prev["model_id"] if prev else None}
+        inputs = []
+        for r in label_rounds(cfg, round):
+            inputs += [input_ref(store, exp, r, s) for s in UPSTREAM[stage]]
     elif stage == "train_policy":
         if round == 0:
             params["init_uri"] = cfg.policy.model
@@ -104,12 +132,19 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
             params["parent_model_id"] = parent["model_id"]
             # This round's selections are new data; earlier rounds' (demos included) are the replay pool.
             params["replay_ratio"] = cfg.train_policy.replay_ratio
+            if cfg.train_policy.method != "sft":
+                ref = parent if cfg.train_policy.dpo.reference == "previous" else committed_model(store, exp, 0)
+                params |= {"dpo_reference_uri": ref["uri"], "dpo_reference_model_id": ref["model_id"]}
             inputs.append(input_ref(store, exp, 0, "train_policy"))
             for r in range(1, round + 1):
                 inputs += [input_ref(store, exp, r, "generate"), input_ref(store, exp, r, "filter")]
     elif stage == "evaluate":
         policy = committed_model(store, exp, round)
         params |= {"policy_uri": policy["uri"], "policy_model_id": policy["model_id"]}
+        for role in ("prm", "orm"):  # the round's reward models, for best-of-N and step-level metrics
+            rm = optional_model(store, exp, round, role) if round > 0 and cfg.train_reward.enabled else None
+            if rm:
+                params |= {f"{role}_uri": rm["uri"], f"{role}_model_id": rm["model_id"]}
     return StageSpec(
         experiment=exp, round=round, stage=stage, attempt=attempt, out_dir=str(out_dir),
         seed=derive_seed(cfg.seed, round, stage), config=cfg.to_dict(), config_hash=cfg.config_hash(),

@@ -37,8 +37,9 @@ def accuracy_per_round(evaluations: list[dict[str, Any]], path: Path, title: str
 
 def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path:
     """The parent run's summary, one panel each: held-out accuracy (greedy and maj@k), generated
-    tokens, and trajectories selected for training, per round. Rows are `v_round_summary` rows; a
-    `prm_f1` column, where present, adds the PRM's step-level F1 to the first panel."""
+    tokens (sampling, plus Monte Carlo rollouts where the recipe spends them), and trajectories selected
+    for training, per round. Rows are `v_round_summary` rows; its `prm_step_f1`, where present, adds
+    the PRM's step-level F1 against the oracle to the first panel."""
     rows = sorted(summary, key=lambda r: r["round"])
     rounds = [int(r["round"]) for r in rows]
 
@@ -49,12 +50,17 @@ def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path
     ax = axes[0]
     ax.plot(rounds, [100 * v for v in col("greedy_acc")], marker="o", color="black", label="greedy pass@1")
     ax.plot(rounds, [100 * v for v in col("maj_acc")], marker="s", linestyle="--", label="maj@k")
-    if any(r.get("prm_f1") is not None for r in rows):
-        ax.plot(rounds, [100 * v for v in col("prm_f1")], marker="^", label="PRM step F1")
+    if any(r.get("prm_step_f1") is not None for r in rows):
+        ax.plot(rounds, [100 * v for v in col("prm_step_f1")], marker="^", label="PRM step F1 (vs oracle)")
     ax.set_ylabel("held-out, all levels (%)")
     ax.set_ylim(-2, 102)
     ax.legend(fontsize=8)
-    axes[1].bar(rounds, [v / 1000 for v in col("generated_tokens")], color="tab:blue")
+    sampled = [v / 1000 for v in col("generated_tokens")]
+    axes[1].bar(rounds, sampled, color="tab:blue", label="sampling")
+    if any(r.get("mc_tokens") for r in rows):
+        axes[1].bar(rounds, [v / 1000 for v in col("mc_tokens")], bottom=sampled, color="tab:orange",
+                    label="Monte Carlo rollouts")
+        axes[1].legend(fontsize=8)
     axes[1].set_ylabel("generated tokens (thousands)")
     axes[2].bar(rounds, col("selected"), color="tab:green")
     axes[2].set_ylabel("trajectories selected for training")

@@ -1,11 +1,14 @@
-"""Stage `score`: give each trajectory its scores.
+"""Stage `score`: give each trajectory its scores, and choose which trajectories get Monte Carlo labels.
 
-With no reward model, the score is the verifier outcome (`scorer='outcome'`). Reward models add
-per-step rows and min/last/mean aggregates with the same shape, so the contract does not change.
+With no reward model, the score is the verifier outcome (`scorer='outcome'`). A reward model adds
+per-step rows (`aggregate='step'`) and min/last/mean aggregates (`step_index=-1`) with the same
+shape, so the contract does not change.
 """
 
 from __future__ import annotations
 
+import random
+from collections import defaultdict
 from typing import Any
 
 
@@ -15,3 +18,56 @@ def outcome_scores(verifications: list[dict[str, Any]]) -> list[dict[str, Any]]:
          "aggregate": "outcome", "value": 0.0 if v["reward"] is None else float(v["reward"])}
         for v in verifications
     ]
+
+
+def step_score_rows(trajectory_ids: list[str], step_scores: list[list[float]], scorer: str,
+                    model_id: str) -> list[dict[str, Any]]:
+    """`scores` rows for per-step reward-model scores: one per step, then min/last/mean at step -1.
+
+    >>> rows = step_score_rows(["t"], [[0.9, 0.2]], "prm", "e/prm/r1")
+    >>> [(r["step_index"], r["aggregate"], r["value"]) for r in rows]
+    [(0, 'step', 0.9), (1, 'step', 0.2), (-1, 'min', 0.2), (-1, 'last', 0.2), (-1, 'mean', 0.55)]
+    """
+    from components.rewards.prm import aggregate
+
+    rows = []
+    for tid, scores in zip(trajectory_ids, step_scores, strict=True):
+        base = {"trajectory_id": tid, "scorer": scorer, "model_id": model_id}
+        rows += [base | {"step_index": i, "aggregate": "step", "value": float(v)} for i, v in enumerate(scores)]
+        rows += [base | {"step_index": -1, "aggregate": k, "value": round(v, 12)} for k, v in aggregate(scores).items()]
+    return rows
+
+
+def trajectory_score_rows(trajectory_ids: list[str], values: list[float], scorer: str,
+                          model_id: str) -> list[dict[str, Any]]:
+    """`scores` rows for a whole-trajectory reward (an ORM): step -1, aggregate 'outcome'."""
+    return [{"trajectory_id": t, "scorer": scorer, "model_id": model_id, "step_index": -1, "aggregate": "outcome",
+             "value": float(v)} for t, v in zip(trajectory_ids, values, strict=True)]
+
+
+def choose_for_mc(trajectories: list[dict[str, Any]], correct: dict[str, bool | None], max_distinct: int | None,
+                  seed: int) -> list[str]:
+    """Trajectory ids to label with Monte Carlo rollouts.
+
+    Distinct (problem, completion) texts are the unit of cost: duplicates share every prefix, so the
+    rollouts of one serve all. A seeded sample of at most `max_distinct` texts, half from correct and
+    half from incorrect trajectories where both have enough (a PRM learns errors from the incorrect
+    ones and good steps from both); every trajectory with a chosen text is labelled.
+
+    >>> ts = [{"trajectory_id": f"t{i}", "problem_id": "p", "completion": c} for i, c in enumerate("aabcd")]
+    >>> ok = {"t0": True, "t1": True, "t2": True, "t3": False, "t4": False}
+    >>> ids = choose_for_mc(ts, ok, 2, seed=0)
+    >>> len({ts[int(t[1:])]["completion"] for t in ids}), sorted({ok[t] for t in ids}), ("t0" in ids) == ("t1" in ids)
+    (2, [False, True], True)
+    """
+    texts: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for t in sorted(trajectories, key=lambda t: t["trajectory_id"]):
+        texts[(t["problem_id"], t["completion"])].append(t["trajectory_id"])
+    keys = sorted(texts)
+    if max_distinct is not None and len(keys) > max_distinct:
+        good = [k for k in keys if correct.get(texts[k][0])]
+        bad = [k for k in keys if not correct.get(texts[k][0])]
+        n_good = min(len(good), max(max_distinct // 2, max_distinct - len(bad)))
+        rng = random.Random(seed)
+        keys = rng.sample(good, n_good) + rng.sample(bad, min(len(bad), max_distinct - n_good))
+    return sorted(tid for k in keys for tid in texts[k])

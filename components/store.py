@@ -153,7 +153,7 @@ CREATE TABLE IF NOT EXISTS model_inputs (   -- exactly which trajectories traine
     model_id      VARCHAR NOT NULL,
     trajectory_id VARCHAR NOT NULL,
     source_round  INTEGER NOT NULL,          -- the round whose selection it came from
-    use           VARCHAR NOT NULL,          -- new | replay
+    use           VARCHAR NOT NULL,          -- new | replay | dpo_chosen | dpo_rejected
     stage_run_id  VARCHAR NOT NULL,
     PRIMARY KEY (model_id, trajectory_id)
 );
@@ -188,12 +188,21 @@ WITH gen AS (
     FROM trajectories t JOIN verifications v USING (trajectory_id)
     WHERE t.purpose = 'train' GROUP BY ALL
 ), sel AS (
-    SELECT experiment_id, round, count(*) FILTER (WHERE selected) AS selected
-    FROM selections WHERE purpose = 'policy_sft' GROUP BY ALL
+    SELECT experiment_id, round, count(*) FILTER (WHERE selected AND purpose = 'policy_sft') AS selected,
+           count(*) FILTER (WHERE selected AND purpose = 'dpo_chosen') AS dpo_pairs
+    FROM selections GROUP BY ALL
+), mc AS (
+    -- Monte Carlo rollouts are generation too: the score stage's tokens count in the round's budget.
+    SELECT experiment_id, round, sum(TRY_CAST(json_extract(metrics_json, '$.mc_generated_tokens') AS DOUBLE))::BIGINT AS mc_tokens
+    FROM stage_runs WHERE stage = 'score' AND status = 'committed' GROUP BY ALL
 ), ev AS (
     SELECT experiment_id, round,
            max(value) FILTER (WHERE metric = 'greedy_acc' AND level = -1) AS greedy_acc,
-           max(value) FILTER (WHERE metric LIKE 'maj_at_%' AND level = -1) AS maj_acc
+           -- maj@k at the smallest k evaluated (evaluate.maj_k; larger k come with best-of-N)
+           arg_min(value, TRY_CAST(split_part(metric, '_', 3) AS INTEGER))
+               FILTER (WHERE metric LIKE 'maj_at_%' AND level = -1) AS maj_acc,
+           max(value) FILTER (WHERE metric = 'prm_step_f1' AND level = -1) AS prm_step_f1,
+           max(value) FILTER (WHERE metric = 'processbench_f1' AND level = -1) AS processbench_f1
     FROM evaluations GROUP BY ALL
 ), lv AS (
     SELECT experiment_id, round,
@@ -202,12 +211,15 @@ WITH gen AS (
 )
 SELECT ev.experiment_id, ev.round, p.levels_json AS curriculum_levels,
        coalesce(gen.generated, 0) AS generated, coalesce(gen.generated_tokens, 0) AS generated_tokens,
-       ver.train_pass_rate, coalesce(sel.selected, 0) AS selected,
-       ev.greedy_acc, ev.maj_acc, lv.greedy_acc_by_level
+       coalesce(mc.mc_tokens, 0) AS mc_tokens,
+       coalesce(gen.generated_tokens, 0) + coalesce(mc.mc_tokens, 0) AS budget_tokens,
+       ver.train_pass_rate, coalesce(sel.selected, 0) AS selected, coalesce(sel.dpo_pairs, 0) AS dpo_pairs,
+       ev.greedy_acc, ev.maj_acc, lv.greedy_acc_by_level, ev.prm_step_f1, ev.processbench_f1
 FROM ev
 LEFT JOIN gen USING (experiment_id, round)
 LEFT JOIN ver USING (experiment_id, round)
 LEFT JOIN sel USING (experiment_id, round)
+LEFT JOIN mc USING (experiment_id, round)
 LEFT JOIN lv USING (experiment_id, round)
 LEFT JOIN round_plans p USING (experiment_id, round)
 ORDER BY ev.experiment_id, ev.round;
@@ -251,7 +263,9 @@ SELECT m.experiment_id, m.model_id AS trained_model_id, m.round AS trained_round
 FROM models m
 JOIN model_inputs mi USING (model_id)
 JOIN trajectories t USING (trajectory_id)
-LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selected;
+LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selected
+    AND sel.purpose = CASE WHEN m.role IN ('prm', 'orm') THEN 'reward_train'
+                           WHEN mi.use LIKE 'dpo_%' THEN mi.use ELSE 'policy_sft' END;
 """
 
 # Data tables carry stage_run_id; a commit replaces the rows of the superseded attempt.

@@ -140,13 +140,14 @@ class Tracker:
             self.client.set_terminated(self.parent_run_id, status)
 
     def register_model(self, name: str, model_dir: str, round: int, tags: dict[str, str],
-                       score: float | None) -> str | None:
+                       score: float | None, score_tag: str = "heldout_greedy_acc",
+                       artifact_path: str = "policy") -> str | None:
         """Log a round's checkpoint to its round run and register it as a version of `name` (once:
         a version is found again by its model_id tag, so a resumed round registers nothing twice).
 
         The version's source is the logged artifact, which a remote tracking server accepts (it
         refuses local paths). Aliases: `current` is the newest round's version, `best` the one with
-        the highest `score` (held-out accuracy). MLflow reserves `latest`, and
+        the highest `score` (held-out accuracy for a policy, step F1 for a PRM), kept in tag `score_tag`. MLflow reserves `latest`, and
         `models:/<name>/latest` already resolves to the newest version.
         """
         if not self.enabled or not self.cfg.tracking.register_models:
@@ -164,16 +165,15 @@ class Tracker:
             version = mine[0].version
         else:
             run_id = self.round_run(round)
-            self.client.log_artifacts(run_id, model_dir, artifact_path="policy")
-            source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/policy"
+            self.client.log_artifacts(run_id, model_dir, artifact_path=artifact_path)
+            source = f"{self.client.get_run(run_id).info.artifact_uri.rstrip('/')}/{artifact_path}"
             all_tags = {**tags, TAG_ROUND: str(round)}
             if score is not None:
-                all_tags["heldout_greedy_acc"] = f"{score:.6f}"
+                all_tags[score_tag] = f"{score:.6f}"
             version = self.client.create_model_version(name, source=source, run_id=run_id, tags=all_tags).version
             found = self.client.search_model_versions(f"name = '{name}'")
         self.client.set_registered_model_alias(name, "current", version)
-        scored = [(float(v.tags["heldout_greedy_acc"]), -int(v.version), v.version) for v in found
-                  if "heldout_greedy_acc" in v.tags]
+        scored = [(float(v.tags[score_tag]), -int(v.version), v.version) for v in found if score_tag in v.tags]
         if scored:
             self.client.set_registered_model_alias(name, "best", max(scored)[2])
         return str(version)

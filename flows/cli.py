@@ -61,17 +61,17 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
 
 
-def _run_flow(name: str, **params):
+def _run_flow(flow_name: str, /, **params):
     from components.locking import ExperimentLockedError
     from components.store import StoreError
     from flows import evolution
 
     try:
-        return getattr(evolution, name)(**params)
+        return getattr(evolution, flow_name)(**params)
     except (ExperimentLockedError, StoreError, ValueError, FileNotFoundError) as e:
         _fail(str(e), 2)
     except Exception as e:  # the flow already logged the traceback
-        _fail(f"{name} failed: {type(e).__name__}: {e}", 1)
+        _fail(f"{flow_name} failed: {type(e).__name__}: {e}", 1)
 
 
 def _print_summary(workdir: Path, experiment: str) -> None:

@@ -70,7 +70,8 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
               "value": round_(e["value"]), "n": e["n"]} for e in this_round]
     s = summary[0] if summary else {}
     table += [{"level": "-", "metric": k, "value": s.get(k), "n": None}
-              for k in ("generated", "generated_tokens", "selected", "train_pass_rate") if k in s]
+              for k in ("generated", "generated_tokens", "mc_tokens", "budget_tokens", "selected", "dpo_pairs",
+                        "train_pass_rate") if k in s]
     table += [{"level": "-", "metric": f"timing/{t['stage']}", "value": round_(t["duration_s"]), "n": None}
               for t in timings]
     key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.experiment}-round-{round}".lower()).strip("-")
@@ -81,24 +82,31 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     all_rounds = store.rows("SELECT * FROM v_round_summary WHERE experiment_id=? ORDER BY round", [cfg.experiment])
     tracker.log_artifact(round_summary(all_rounds, cfg.experiment_dir / "plots" / "round_summary.png",
                                        title=f"{cfg.experiment}: rounds"), artifact_path="plots")
-    _register_policy(cfg, store, tracker, round, s.get("greedy_acc"))
+    _register_models(cfg, store, tracker, round, {"policy": ("heldout_greedy_acc", s.get("greedy_acc")),
+                                                   "prm": ("heldout_prm_step_f1", s.get("prm_step_f1")),
+                                                   "orm": ("heldout_greedy_acc", None)})
     tracker.finish_round(round)
     return {"round": round, **{k: v for k, v in s.items() if k != "experiment_id"}}
 
 
-def _register_policy(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int, acc: float | None) -> None:
-    """The round's policy becomes a version of the registered model `<experiment>-policy`."""
-    rows = store.rows("SELECT model_id, uri, stage_run_id, train_examples FROM models "
-                      "WHERE experiment_id=? AND round=? AND role='policy'", [cfg.experiment, round])
-    if not rows or not tracker.enabled:
+def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int,
+                     scores: dict[str, tuple[str, float | None]]) -> None:
+    """Each of the round's models becomes a version of `<experiment>-<role>` (policy, prm, orm), tagged
+    with its round and the SQL that lists its training data; alias `best` goes by `scores[role]`."""
+    rows = store.rows("SELECT model_id, role, uri, stage_run_id, train_examples FROM models "
+                      "WHERE experiment_id=? AND round=? ORDER BY role", [cfg.experiment, round])
+    if not tracker.enabled:
         return
-    m = rows[0]
-    tags = {"coevo.model_id": m["model_id"], "coevo.stage_run_id": m["stage_run_id"],
-            "coevo.train_examples": str(m["train_examples"]), "config_hash": cfg.config_hash(),
-            "coevo.lineage": f"SELECT * FROM v_lineage WHERE trained_model_id = '{m['model_id']}'"}
-    version = tracker.register_model(f"{cfg.experiment}-policy", m["uri"], round, tags, acc)
-    if version:
-        get_run_logger().info(f"registered {cfg.experiment}-policy version {version} ({m['model_id']})")
+    for m in rows:
+        tags = {"coevo.model_id": m["model_id"], "coevo.role": m["role"], "coevo.stage_run_id": m["stage_run_id"],
+                "coevo.train_examples": str(m["train_examples"]), "config_hash": cfg.config_hash(),
+                "coevo.lineage": f"SELECT * FROM v_lineage WHERE trained_model_id = '{m['model_id']}'"}
+        score_tag, score = scores.get(m["role"], ("heldout_greedy_acc", None))
+        name = f"{cfg.experiment}-{m['role']}"
+        version = tracker.register_model(name, m["uri"], round, tags, score, score_tag=score_tag,
+                                         artifact_path=m["role"])
+        if version:
+            get_run_logger().info(f"registered {name} version {version} ({m['model_id']})")
 
 
 def round_(v: Any) -> Any:

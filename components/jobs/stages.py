@@ -94,31 +94,227 @@ def run_verify(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     return metrics
 
 
-def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.scoring import outcome_scores
+def _steps_by_trajectory(steps: list[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for r in sorted(steps, key=lambda r: (r["trajectory_id"], r["step_index"])):
+        out.setdefault(r["trajectory_id"], []).append(r["text"])
+    return out
 
-    rows = outcome_scores(spec.rows("verify", "verifications"))
-    _write(out, scores=rows)
-    return {"scored": len(rows), "mean_score": sum(r["value"] for r in rows) / max(len(rows), 1)}
+
+def _problems(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    from components.domains.base import Problem
+
+    return {p["problem_id"]: Problem(p["problem_id"], p["domain"], p["level"], p["prompt"], p["answer"])
+            for p in rows}
+
+
+def reward_model_scores(role: str, uri: str, model_id: str, trajs: list[dict[str, Any]],
+                        steps: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """`scores` rows of a PRM (every step, plus min/last/mean) or an ORM (the whole trajectory)."""
+    from components.scoring import step_score_rows, trajectory_score_rows
+
+    tids = [t["trajectory_id"] for t in trajs]
+    if role == "prm":
+        from components.rewards.prm import PRMScorer
+
+        values = PRMScorer(uri).score_steps([t["prompt"] for t in trajs], [steps.get(t, []) for t in tids])
+        return step_score_rows(tids, values, "prm", model_id)
+    from components.rewards.orm import ORMScorer
+
+    values = ORMScorer(uri).score([t["prompt"] for t in trajs], [t["completion"] for t in trajs])
+    return trajectory_score_rows(tids, values, "orm", model_id)
+
+
+def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.labeling import mc_step_labels, oracle_labels
+    from components.scoring import choose_for_mc, outcome_scores
+
+    cfg, domain = spec.cfg(), _domain(spec)
+    sc = cfg.score
+    trajs = spec.rows("generate", "trajectories")
+    vers = spec.rows("verify", "verifications")
+    steps = _steps_by_trajectory(spec.rows("generate", "steps"))
+    problems = _problems(spec.rows("generate", "problems"))
+    rows = outcome_scores(vers)
+    labels: list[dict[str, Any]] = []
+    metrics: dict[str, float] = {"scored": len(trajs)}
+    items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"], "prompt": t["prompt"],
+              "steps": steps.get(t["trajectory_id"], []), "answer_ref": problems[t["problem_id"]].answer}
+             for t in trajs]
+    if sc.mc_rollouts:
+        correct = {v["trajectory_id"]: v["correct"] for v in vers}
+        chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, spec.seed))
+        todo = [it for it in items if it["trajectory_id"] in chosen]
+        log("score", f"Monte Carlo labels: {len(todo)} trajectories, k={sc.mc_rollouts} rollouts per step prefix")
+        t0 = time.perf_counter()
+        mc, stats = mc_step_labels(domain, _backend(spec, spec.params["policy_uri"]), todo, k=sc.mc_rollouts,
+                                   temperature=sc.mc_temperature,
+                                   max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
+        labels += mc
+        metrics |= {f"mc_{k}": float(v) for k, v in stats.items()} | {"mc_seconds": time.perf_counter() - t0}
+        log("score", f"{stats['rollouts']} rollouts from {stats['unique_prefixes']} distinct prefixes, "
+                     f"{stats['generated_tokens']} tokens")
+    if sc.oracle_labels:
+        oracle = oracle_labels(domain, problems, [it for it in items if it["steps"]])
+        labels += oracle  # for evaluation only: train_reward reads Monte Carlo sources alone
+        metrics["oracle_labelled_steps"] = len(oracle)
+    if "reward_model_uri" in spec.params:
+        rm_rows = reward_model_scores(cfg.score.reward_model, spec.params["reward_model_uri"],
+                                      spec.params["reward_model_id"], trajs, steps)
+        rows += rm_rows
+        mins = [r["value"] for r in rm_rows if r["aggregate"] in ("min", "outcome") and r["step_index"] == -1]
+        metrics["rm_mean_score"] = sum(mins) / max(len(mins), 1)
+        log("score", f"{cfg.score.reward_model} {spec.params['reward_model_id']} scored {len(trajs)} trajectories")
+    _write(out, scores=rows, step_labels=labels)
+    metrics["mean_outcome"] = sum(r["value"] for r in rows if r["scorer"] == "outcome") / max(len(trajs), 1)
+    return metrics
 
 
 def run_filter(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.filtering import rft_filter
+    from components.filtering import dpo_pairs, rft_filter
+    from components.reward_eval import repeated_step_rate
 
     cfg = spec.cfg()
+    f = cfg.filter
     trajs = spec.rows("generate", "trajectories")
     correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications")}
-    scores = {s["trajectory_id"]: s["value"] for s in spec.rows("score", "scores") if s["step_index"] == -1}
-    steps_ok = None
-    if cfg.filter.check_steps:
+    scores, source = _ranking_scores(spec, f.rank_by)
+    steps_ok: dict[str, bool | None] | None = None
+    if f.check_steps:
         domain = _domain(spec)
         steps_ok = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
+    bad: set[str] = set()
+    if f.drop_mc_bad_steps:
+        bad |= {lab["trajectory_id"] for lab in spec.rows("score", "step_labels")
+                if lab["source"] == "mc_hard" and lab["value"] == 0.0}
+    if f.min_step_score is not None:
+        bad |= {s["trajectory_id"] for s in spec.rows("score", "scores") if s["scorer"] == "prm"
+                and s["aggregate"] == "min" and s["value"] < f.min_step_score}
+    if bad:
+        steps_ok = {t["trajectory_id"]: (steps_ok or {}).get(t["trajectory_id"]) is not False
+                    and t["trajectory_id"] not in bad for t in trajs}
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
-                      dedup=cfg.filter.dedup, max_per_problem=cfg.filter.max_per_problem, steps_ok=steps_ok)
-    _write(out, selections=rows)
+                      dedup=f.dedup, max_per_problem=f.max_per_problem, steps_ok=steps_ok)
     n_sel = sum(r["selected"] for r in rows)
-    log("filter", f"selected {n_sel} of {len(rows)} trajectories for policy_sft")
-    return {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
+    metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
+    if f.dpo_pairs:
+        eligible = {t["trajectory_id"]: (steps_ok or {}).get(t["trajectory_id"]) is not False for t in trajs}
+        pairs = dpo_pairs(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
+                          max_pairs_per_problem=f.max_pairs_per_problem, eligible=eligible)
+        rows += pairs
+        metrics["dpo_pairs"] = len(pairs) // 2
+    # Reward-hacking monitor: what the filter keeps should not drift longer or repetitive round to round.
+    by_id = {t["trajectory_id"]: t for t in trajs}
+    kept = [by_id[r["trajectory_id"]] for r in rows if r["selected"] and r["purpose"] == "policy_sft"]
+    if kept:
+        metrics["selected_mean_tokens"] = sum(t["num_tokens"] for t in kept) / len(kept)
+        steps = _steps_by_trajectory(spec.rows("generate", "steps"))
+        metrics["selected_repeated_step_rate"] = repeated_step_rate([steps.get(t["trajectory_id"], []) for t in kept])
+        ranked = [scores[t["trajectory_id"]] for t in kept if t["trajectory_id"] in scores]
+        if source != "outcome" and ranked:
+            metrics["selected_mean_rank_score"] = sum(ranked) / len(ranked)
+    _write(out, selections=rows)
+    log("filter", f"selected {n_sel} of {len(trajs)} trajectories for policy_sft, ranked by {source}"
+                  + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else ""))
+    return metrics
+
+
+def _ranking_scores(spec: StageSpec, aggregate: str) -> tuple[dict[str, float], str]:
+    """What ranks trajectories: the reward model's aggregate where the score stage has one, else the
+    mean Monte Carlo value of the steps (round 1 of coevo), else the verifier outcome."""
+    scores = spec.rows("score", "scores")
+    for scorer in ("prm", "orm"):
+        agg = aggregate if scorer == "prm" else "outcome"
+        got = {s["trajectory_id"]: s["value"] for s in scores
+               if s["scorer"] == scorer and s["step_index"] == -1 and s["aggregate"] == agg}
+        if got:
+            return got, f"{scorer} {agg}"
+    mc: dict[str, list[float]] = {}
+    for lab in spec.rows("score", "step_labels"):
+        if lab["source"] == "mc_soft":
+            mc.setdefault(lab["trajectory_id"], []).append(lab["value"])
+    if mc:
+        return {t: sum(v) / len(v) for t, v in mc.items()}, "mc_soft mean"
+    return {s["trajectory_id"]: s["value"] for s in scores if s["scorer"] == "outcome"}, "outcome"
+
+
+def run_train_reward(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    """The round's PRM on the Monte Carlo labels of `label_rounds`, and optionally an ORM on outcomes."""
+    from components.labeling import prm_examples
+    from components.rewards.prm import PRMParams, train_prm
+
+    cfg = spec.cfg()
+    tr = cfg.train_reward
+    rounds: list[int] = spec.params["label_rounds"]
+    examples, decisions, outcome_examples, labelled_round = [], [], [], {}
+    for r in rounds:
+        trajs = spec.rows("generate", "trajectories", round=r)
+        steps = _steps_by_trajectory(spec.rows("generate", "steps", round=r))
+        labels: dict[str, dict[int, dict[str, float]]] = {}
+        for lab in spec.rows("score", "step_labels", round=r):
+            labels.setdefault(lab["trajectory_id"], {}).setdefault(lab["step_index"], {})[lab["source"]] = lab["value"]
+        prior: dict[str, list[float]] = {}
+        for sc in sorted(spec.rows("score", "scores", round=r), key=lambda x: x["step_index"]):
+            if sc["scorer"] == "prm" and sc["aggregate"] == "step":
+                prior.setdefault(sc["trajectory_id"], []).append(sc["value"])
+        items = [{"trajectory_id": t["trajectory_id"], "prompt": t["prompt"], "steps": steps.get(t["trajectory_id"], [])}
+                 for t in sorted(trajs, key=lambda t: t["trajectory_id"])]
+        ex, dec = prm_examples(items, labels, source=tr.label_source, soft_threshold=tr.soft_threshold,
+                               prior_scores=prior, consensus=tr.consensus_filter)
+        examples += ex
+        labelled_round |= {e["trajectory_id"]: r for e in ex}
+        if r == spec.round:  # each trajectory's decision is made once, in its own round
+            decisions = [d | {"experiment_id": spec.experiment, "round": r, "purpose": "reward_train",
+                              "rank": None, "pair_id": None} for d in dec]
+        if tr.orm:
+            correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications", round=r)}
+            outcome_examples += [{"prompt": t["prompt"], "completion": t["completion"], "label": bool(correct[t["trajectory_id"]]),
+                                  "trajectory_id": t["trajectory_id"], "round": r}
+                                 for t in trajs if correct.get(t["trajectory_id"]) is not None]
+    if not examples:
+        raise RuntimeError(f"{spec.stage_run_id}: no Monte Carlo step labels in rounds {rounds}; "
+                           "is score.mc_rollouts > 0?")
+    n_steps = sum(len(e["labels"]) for e in examples)
+    n_good = sum(sum(e["labels"]) for e in examples)
+    init = spec.params.get("init_prm_uri")
+    log("train_reward", f"PRM on {len(examples)} trajectories ({n_steps} labelled steps, {n_good / n_steps:.0%} good) "
+                        f"from rounds {rounds}; init {'previous PRM' if init else 'policy backbone'}")
+    model_dir = out.artifact_dir("prm")
+    prm_metrics = train_prm(spec.params["policy_uri"], examples, str(model_dir),
+                            PRMParams(max_steps=tr.steps, batch_size=tr.batch_size, learning_rate=tr.learning_rate,
+                                      seed=spec.seed), init_from_prm=init)
+    log("train_reward", f"PRM loss {prm_metrics['first_loss']:.4f} -> {prm_metrics['final_loss']:.4f} "
+                        f"in {prm_metrics['runtime_s']:.1f}s")
+    models = [_model_row(spec, "prm", model_dir, "prm", spec.params.get("parent_model_id"), len(examples))]
+    inputs = [_model_input(spec, "prm", e["trajectory_id"], labelled_round[e["trajectory_id"]]) for e in examples]
+    metrics = {f"prm_{k}": v for k, v in prm_metrics.items() if isinstance(v, (int, float))}
+    metrics |= {"label_good_fraction": n_good / n_steps, "consensus_dropped":
+                sum(1 for d in decisions if d["reason"].startswith("consensus"))}
+    if tr.orm:
+        from components.rewards.orm import ORMParams, train_orm
+
+        orm_dir = out.artifact_dir("orm")
+        orm_metrics = train_orm(spec.params["policy_uri"], outcome_examples, str(orm_dir),
+                                ORMParams(max_steps=tr.orm_steps, seed=spec.seed))
+        log("train_reward", f"ORM on {orm_metrics['pairs']} pairs: loss {orm_metrics['final_loss']:.4f}")
+        models.append(_model_row(spec, "orm", orm_dir, "orm", None, len(outcome_examples)))
+        inputs += [_model_input(spec, "orm", e["trajectory_id"], e["round"]) for e in outcome_examples]
+        metrics |= {f"orm_{k}": v for k, v in orm_metrics.items() if isinstance(v, (int, float))}
+    _write(out, models=models, model_inputs=inputs, selections=decisions)
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str, parent: str | None,
+               train_examples: int) -> dict[str, Any]:
+    return {"model_id": _model_id(spec, role), "experiment_id": spec.experiment, "role": role, "round": spec.round,
+            "uri": str(Path(spec.out_dir) / artifact), "sha256": sha256_dir(model_dir), "parent_model_id": parent,
+            "train_examples": train_examples, "mlflow_run_id": None, "registered_name": None,
+            "registered_version": None}
+
+
+def _model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: int) -> dict[str, Any]:
+    use = "new" if source_round == spec.round else "replay"
+    return {"model_id": _model_id(spec, role), "trajectory_id": trajectory_id, "source_round": source_round, "use": use}
 
 
 def _bootstrap_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -191,23 +387,52 @@ def run_train_policy(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
         # as ReST does, instead of failing the experiment; the next round samples again.
         log("train_policy", "WARNING: no trajectory was selected this round; the policy carries over unchanged")
         steps = 0
-    log("train_policy", f"SFT on {len(examples)} examples, {steps} steps of batch {batch}, from {init_uri}")
-    if steps > 0:
-        metrics = train_sft(init_uri, examples, str(model_dir),
-                            SFTParams(max_steps=steps, batch_size=batch, learning_rate=lr, seed=spec.seed),
+    method = cfg.train_policy.method if spec.round > 0 else "sft"
+    pairs, pair_inputs = _round_pairs(spec) if method != "sft" else ([], [])
+    metrics: dict[str, Any] = {}
+    dpo_from = init_uri
+    if method != "dpo":
+        # SFT first; with pairs to follow, its model is kept as an artifact of its own (lineage).
+        sft_dir = model_dir if method == "sft" or not pairs else out.artifact_dir("sft_model")
+        log("train_policy", f"SFT on {len(examples)} examples, {steps} steps of batch {batch}, from {init_uri}")
+        if steps > 0:
+            metrics = train_sft(init_uri, examples, str(sft_dir),
+                                SFTParams(max_steps=steps, batch_size=batch, learning_rate=lr, seed=spec.seed),
+                                progress_callback=_train_progress)
+        else:
+            _copy_model(init_uri, sft_dir)
+            metrics = {"train_loss": float("nan"), "steps": 0}
+        dpo_from = str(sft_dir)
+    if method != "sft":
+        # Under 'dpo' the SFT selections trained nothing; under 'sft+dpo' a chosen side is often an SFT example too.
+        sft_inputs = extra["model_inputs"] if method == "sft+dpo" else []
+        known = {m["trajectory_id"] for m in sft_inputs}
+        extra["model_inputs"] = sft_inputs + [m for m in pair_inputs if m["trajectory_id"] not in known]
+        if pairs:
+            from components.training.dpo import DPOParams, train_dpo
+
+            d = cfg.train_policy.dpo
+            log("train_policy", f"DPO on {len(pairs)} pairs, {d.steps} steps, beta {d.beta}, from {dpo_from}, "
+                                f"reference {spec.params['dpo_reference_model_id']}")
+            dpo = train_dpo(dpo_from, spec.params["dpo_reference_uri"], pairs, str(model_dir),
+                            DPOParams(max_steps=d.steps, batch_size=d.batch_size, learning_rate=d.learning_rate,
+                                      beta=d.beta, sft_weight=d.sft_weight, seed=spec.seed),
                             progress_callback=_train_progress)
-    else:
-        _copy_model(init_uri, model_dir)
-        metrics = {"train_loss": float("nan"), "steps": 0}
+            metrics |= {f"dpo_{k}": v for k, v in dpo.items()}
+        elif method == "dpo":
+            log("train_policy", "WARNING: no DPO pair this round; the policy carries over unchanged")
+            _copy_model(init_uri, model_dir)
     final_uri = str(Path(spec.out_dir) / "model")
     model_id = _model_id(spec)
     models = [{
         "model_id": model_id, "experiment_id": spec.experiment, "role": "policy", "round": spec.round,
         "uri": final_uri, "sha256": sha256_dir(model_dir), "parent_model_id": spec.params.get("parent_model_id"),
-        "train_examples": len(examples), "mlflow_run_id": None, "registered_name": None, "registered_version": None,
+        "train_examples": len(extra["model_inputs"]), "mlflow_run_id": None, "registered_name": None,
+        "registered_version": None,
     }]
     _write(out, models=models, **extra)
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples)}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
+                                                                                      "dpo_pairs": len(pairs)}
 
 
 def _model_id(spec: StageSpec, role: str = "policy") -> str:
@@ -220,6 +445,22 @@ def _selected(spec: StageSpec, round: int) -> dict[str, dict[str, Any]]:
     trajs = {t["trajectory_id"]: t for t in spec.rows(src_t, "trajectories", round=round)}
     return {s["trajectory_id"]: trajs[s["trajectory_id"]] for s in spec.rows(src_s, "selections", round=round)
             if s["selected"] and s["purpose"] == "policy_sft"}
+
+
+def _round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+    """This round's DPO pairs ({"prompt", "chosen", "rejected"}) and their `model_inputs` rows."""
+    trajs = {t["trajectory_id"]: t for t in spec.rows("generate", "trajectories")}
+    sides: dict[str, dict[str, str]] = {}
+    for s in spec.rows("filter", "selections"):
+        if s["selected"] and s["purpose"] in ("dpo_chosen", "dpo_rejected"):
+            sides.setdefault(s["pair_id"], {})[s["purpose"]] = s["trajectory_id"]
+    pairs, inputs = [], []
+    for pid in sorted(sides):
+        c, r = trajs[sides[pid]["dpo_chosen"]], trajs[sides[pid]["dpo_rejected"]]
+        pairs.append({"prompt": c["prompt"], "chosen": c["completion"], "rejected": r["completion"]})
+        inputs += [{"model_id": _model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": spec.round,
+                    "use": use} for t, use in ((c, "dpo_chosen"), (r, "dpo_rejected"))]
+    return pairs, inputs
 
 
 def _train_progress(step: int, total: int, loss: float | None) -> None:
@@ -236,26 +477,62 @@ def _copy_model(uri: str, dest: Path) -> None:
 
 
 def run_evaluate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.evaluation import evaluate
+    from components.evaluation import evaluate, reward_metrics
+    from components.labeling import oracle_labels
 
     cfg, domain = spec.cfg(), _domain(spec)
     e = cfg.evaluate
     levels = e.levels or domain.levels()
     problems = [p for level in levels for p in domain.test_set(level)[: e.problems_per_level]]
-    log("evaluate", f"{len(problems)} held-out problems at levels {levels}: greedy + maj@{e.maj_k}")
+    has_rm = "prm_uri" in spec.params or "orm_uri" in spec.params
+    best_of_n = e.best_of_n if has_rm else []
+    n_samples = max([e.maj_k, *best_of_n])
+    log("evaluate", f"{len(problems)} held-out problems at levels {levels}: greedy + {n_samples} samples"
+                    + (f", reward-model best-of-{best_of_n}" if best_of_n else ""))
     batch, vers, rows = evaluate(
         domain, _backend(spec, spec.params["policy_uri"]), problems, experiment=spec.experiment, round=spec.round,
         model_id=spec.params["policy_model_id"], maj_k=e.maj_k, temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens, seed=spec.seed,
+        max_new_tokens=e.max_new_tokens, seed=spec.seed, n_samples=n_samples,
     )
+    tables: dict[str, list[dict[str, Any]]] = {}
+    if has_rm:
+        steps = _steps_by_trajectory(batch.steps)
+        correct = {v["trajectory_id"]: bool(v["correct"]) for v in vers}
+        items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"],
+                  "steps": steps.get(t["trajectory_id"], [])} for t in batch.trajectories]
+        oracle_rows = oracle_labels(domain, {p.problem_id: p for p in problems}, [it for it in items if it["steps"]])
+        oracle: dict[str, list[bool]] = {}
+        for r in oracle_rows:
+            oracle.setdefault(r["trajectory_id"], []).append(r["value"] == 1.0)
+        score_rows, prm_steps, orm = [], None, None
+        for role in ("prm", "orm"):
+            if f"{role}_uri" in spec.params:
+                got = reward_model_scores(role, spec.params[f"{role}_uri"], spec.params[f"{role}_model_id"],
+                                          batch.trajectories, steps)
+                score_rows += got
+                if role == "prm":
+                    prm_steps = {t["trajectory_id"]: [] for t in batch.trajectories}
+                    for r in got:
+                        if r["aggregate"] == "step":
+                            prm_steps[r["trajectory_id"]].append(r["value"])
+                else:
+                    orm = {r["trajectory_id"]: r["value"] for r in got}
+        have = {(r["level"], r["metric"]) for r in rows}  # maj@N and pass@N for N = maj_k are already there
+        rows += [r for r in reward_metrics(batch.trajectories, correct, best_of_n=best_of_n, experiment=spec.experiment,
+                               round=spec.round, model_id=spec.params["policy_model_id"], prm_steps=prm_steps,
+                               orm_scores=orm, oracle=oracle, steps=steps) if (r["level"], r["metric"]) not in have]
+        tables = {"scores": score_rows, "step_labels": oracle_rows}
     _write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
-           verifications=vers, evaluations=rows)
+           verifications=vers, evaluations=rows, **tables)
     metrics = {}
     for r in rows:
         key = r["metric"] if r["level"] == -1 else f"{r['metric']}_L{r['level']}"
         metrics[key] = r["value"]
     log("evaluate", " ".join(f"L{r['level']}={r['value']:.2f}" for r in rows
                              if r["metric"] == "greedy_acc" and r["level"] >= 0))
+    if has_rm:
+        log("evaluate", " ".join(f"{k}={metrics[k]:.3f}" for k in sorted(metrics)
+                                 if k.startswith(("prm_bon", "maj_at", "prm_step_f1", "processbench")) and "_L" not in k))
     return metrics
 
 
@@ -263,6 +540,7 @@ STAGE_JOBS: dict[str, Callable[[StageSpec, StageOutputWriter], dict[str, float]]
     "generate": run_generate,
     "verify": run_verify,
     "score": run_score,
+    "train_reward": run_train_reward,
     "filter": run_filter,
     "train_policy": run_train_policy,
     "evaluate": run_evaluate,

@@ -121,6 +121,9 @@ def _sft_config(SFTConfig, output_dir: str, params: SFTParams, use_cpu: bool):
         save_strategy="no", dataloader_num_workers=0, dataloader_pin_memory=not use_cpu,
         include_num_input_tokens_seen="non_padding",
         max_length=params.max_length, packing=False, completion_only_loss=True,
+        # SFTConfig turns activation checkpointing on by default: recomputing activations only slows a small
+        # model (18% measured on the micro policy), and the trained bytes are the same either way.
+        activation_checkpointing=False,
     )
 
 

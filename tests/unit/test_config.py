@@ -47,6 +47,20 @@ def test_incompatible_settings_say_what_to_change():
         load_config_dict({"experiment": "x", "curriculum": {"low": 0.9, "high": 0.5}})
 
 
+@pytest.mark.parametrize("data, fix", [
+    ({"recipe": "coevo"}, "set train_reward.enabled=true"),
+    ({"recipe": "rft", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4}}, "set recipe=coevo"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}}, "set score.mc_rollouts >= 1"),
+    ({"train_policy": {"method": "dpo"}}, "set filter.dpo_pairs=true"),
+    ({"evaluate": {"best_of_n": [4]}}, "best_of_n=\\[\\]"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4, "reward_model": "orm"}},
+     "set train_reward.orm=true"),
+])
+def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
+    with pytest.raises(ConfigError, match=fix):
+        load_config_dict({"experiment": "x", **data})
+
+
 def test_malformed_yaml_names_file_and_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("experiment: x\ngenerate:\n  temperature: [0.8\n")

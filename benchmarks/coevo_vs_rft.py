@@ -1,0 +1,160 @@
+"""Does `coevo` beat the `rft` baseline on the same generation budget? Both recipes, one command.
+
+    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default, both recipes
+    .venv/bin/python benchmarks/coevo_vs_rft.py --rounds 2 --workdir /tmp/bench
+
+Runs (each `coevo run`, its own process; committed stages are skipped, so a second call only reports):
+- `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model);
+- `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels, a PRM and DPO), whose
+  Monte Carlo rollouts count in its budget.
+
+Then, from the store (`v_round_summary`, `evaluations`), it prints:
+1. the budget: cumulative generated tokens (sampling + Monte Carlo rollouts) per round and recipe;
+2. figure 1: the tokens `coevo` needed to reach `rft`'s final held-out accuracy (ratio; <= 0.5 is the
+   target), and `coevo`'s accuracy at `rft`'s final budget minus `rft`'s (>= +10 points is the target);
+3. figure 2: the last round's PRM against oracle step labels on held-out samples: step F1 (>= 0.85 is
+   the target) and PRM best-of-8 vs maj@8 vs greedy (Let's Verify Step by Step's ordering);
+and writes `accuracy_vs_tokens.png` beside the store. `--parallel` runs the recipes at once (two
+cores: one torch thread each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RUNS = {
+    "rft": ("configs/arith.yaml", ["experiment=bench-rft"]),
+    "coevo": ("configs/arith-coevo.yaml", ["experiment=bench-coevo"]),
+}
+
+
+def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
+    config, sets = RUNS[name]
+    sets = [*sets, f"workdir={workdir}"] + ([f"rounds={rounds}"] if rounds is not None else [])
+    cmd = [str(Path(sys.executable).parent / "coevo"), "run", "--config", str(REPO / config)]
+    for s in sets:
+        cmd += ["--set", s]
+    log = open(workdir / f"{name}.log", "w")
+    env = os.environ | {"PREFECT_HOME": str(workdir / ".prefect" / name),
+                        "COEVO_TORCH_THREADS": os.environ.get("COEVO_TORCH_THREADS", "1")}
+    Path(env["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    print(f"[{name}] {' '.join(cmd)}  (log: {log.name})", flush=True)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+
+
+def _experiment(name: str) -> str:
+    return next(s.split("=", 1)[1] for s in RUNS[name][1] if s.startswith("experiment="))
+
+
+def _summary(store, name: str) -> list[dict]:
+    rows = store.rows("SELECT round, budget_tokens, greedy_acc, greedy_acc_by_level FROM v_round_summary "
+                      "WHERE experiment_id=? ORDER BY round", [_experiment(name)])
+    total = 0
+    for r in rows:
+        total += int(r["budget_tokens"] or 0)
+        r["cum_tokens"] = total
+        r["hard_acc"] = r["greedy_acc_by_level"][max(r["greedy_acc_by_level"])]
+    return rows
+
+
+def _tokens_to_reach(rows: list[dict], key: str, target: float) -> int | None:
+    return next((r["cum_tokens"] for r in rows if r["round"] > 0 and r[key] >= target - 1e-12), None)
+
+
+def _acc_at_budget(rows: list[dict], key: str, budget: int) -> float:
+    """Accuracy of the last round whose cumulative budget fits in `budget`."""
+    fit = [r for r in rows if r["cum_tokens"] <= budget]
+    return fit[-1][key] if fit else float("nan")
+
+
+def report(workdir: Path, names: list[str]) -> dict:
+    sys.path.insert(0, str(REPO))
+    from components.plots import _save, plt
+    from components.store import Store
+
+    store = Store(workdir / "coevo.duckdb")
+    data = {n: _summary(store, n) for n in names}
+    print("\n== budget and held-out greedy accuracy per round (hard = hardest level) ==")
+    print(f"{'recipe':<12} {'round':>5} {'cum tokens':>11} {'all levels':>10} {'hard':>6}")
+    for n, rows in data.items():
+        for r in rows:
+            print(f"{n:<12} {r['round']:>5} {r['cum_tokens']:>11,} {r['greedy_acc']:>10.3f} {r['hard_acc']:>6.3f}")
+    out: dict = {"rounds": data}
+    if "coevo" in data and "rft" in data:
+        base, co = data["rft"], data["coevo"]
+        print("\n== figure 1: coevo vs rft on the generation budget ==")
+        for key, label in (("greedy_acc", "all levels"), ("hard_acc", "hardest level")):
+            target, budget = base[-1][key], base[-1]["cum_tokens"]
+            need = _tokens_to_reach(co, key, target)
+            ratio = need / budget if need else float("inf")
+            gap = _acc_at_budget(co, key, budget) - target
+            out[f"fig1_{key}"] = {"rft_final": target, "rft_tokens": budget, "coevo_tokens_to_match": need,
+                                  "token_ratio": ratio, "coevo_minus_rft_at_budget": gap}
+            print(f"[{label}] rft final {target:.3f} after {budget:,} tokens; coevo reaches it after "
+                  f"{need if need is None else f'{need:,}'} tokens: ratio {ratio:.2f} (target <= 0.50); "
+                  f"at rft's budget coevo is {100 * gap:+.1f} points (target >= +10)")
+    if "coevo" in data:
+        last = data["coevo"][-1]["round"]
+        ev = dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? AND round=? AND level=-1",
+                              [_experiment("coevo"), last])[1])
+        if "prm_step_f1" in ev:
+            print(f"\n== figure 2: the round-{last} PRM on held-out samples, against oracle step labels ==")
+            print(f"step F1 {ev['prm_step_f1']:.3f} (target >= 0.85; precision {ev['prm_step_precision']:.3f}, "
+                  f"recall {ev['prm_step_recall']:.3f}); erroneous-step F1 {ev['prm_error_f1']:.3f}; "
+                  f"ProcessBench F1 {ev['processbench_f1']:.3f}")
+            bon, maj, greedy = ev.get("prm_bon_at_8"), ev.get("maj_at_8"), ev["greedy_acc"]
+            if bon is not None and maj is not None:
+                print(f"PRM best-of-8 {bon:.3f} > maj@8 {maj:.3f} > greedy {greedy:.3f}: "
+                      f"{'holds' if bon > maj > greedy else 'does NOT hold'}")
+            out["fig2"] = {k: ev.get(k) for k in ("prm_step_f1", "prm_error_f1", "processbench_f1", "prm_bon_at_8",
+                                                  "maj_at_8", "greedy_acc", "prm_bon_at_16", "maj_at_16")}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for ax, key, label in ((axes[0], "greedy_acc", "all levels"), (axes[1], "hard_acc", "hardest level")):
+        for n, rows in data.items():
+            ax.plot([r["cum_tokens"] / 1000 for r in rows], [100 * r[key] for r in rows], marker="o", label=n)
+        ax.set_xlabel("cumulative generated tokens, Monte Carlo rollouts included (thousands)")
+        ax.set_ylabel(f"held-out greedy accuracy, {label} (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("coevo vs rft on the same generation budget")
+    plot = _save(fig, workdir / "accuracy_vs_tokens.png")
+    (workdir / "coevo_vs_rft.json").write_text(json.dumps(out, indent=2, default=str))
+    print(f"\nplot: {plot}\njson: {workdir / 'coevo_vs_rft.json'}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=REPO / "workdir" / "bench")
+    ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
+    ap.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS))
+    ap.add_argument("--parallel", action="store_true", help="run the recipes at the same time")
+    ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
+    args = ap.parse_args()
+    args.workdir = args.workdir.resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        t0 = time.perf_counter()
+        if args.parallel:  # DuckDB admits one writer: the flows retry on its lock, commits are short
+            procs = {n: _launch(n, args.workdir, args.rounds) for n in args.only}
+        else:
+            procs = {}
+            for n in args.only:
+                procs[n] = _launch(n, args.workdir, args.rounds)
+                procs[n].wait()
+        for n, p in procs.items():
+            if p.wait() != 0:
+                sys.exit(f"[{n}] failed (exit {p.returncode}); see {args.workdir}/{n}.log")
+        print(f"runs done in {time.perf_counter() - t0:.0f}s")
+    report(args.workdir, args.only)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Preference training of the policy with TRL's DPOTrainer (Rafailov et al. 2023).
+
+    metrics = train_dpo("workdir/.../r1/model", "workdir/.../r0/model",
+                        [{"prompt": "3+4\\n", "chosen": "3+4=7\\n#### 7\\n", "rejected": "3+4=8\\n#### 8\\n"}],
+                        "out/model", DPOParams(max_steps=100, beta=0.1))
+
+Plain text, no chat template: TRL tokenizes `prompt` and `prompt + completion` with the tokenizer's own
+call, as SFT does, so the char tokenizer (which adds no BOS/EOS) sees exactly the characters, and every
+completion ends with EOS so the preference covers stopping. The reference is frozen; `ref_model_path`
+None (or the policy's own path) makes TRL load a second copy of the starting model. `sft_weight` > 0
+adds TRL's "sft" loss, the mean NLL of the chosen tokens, with that weight: RPO (Pang et al. 2024).
+The saved model is weights (safetensors), config, generation config and tokenizer; no pickles. On CPU
+two runs with the same seed and data give a byte-identical model.safetensors.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.training.sft import ProgressCallback, _quiet_datasets
+
+# TRL 1.16 DPOConfig.loss_type choices. "exo_pair" is left out: it needs label_smoothing > 0, which these
+# params do not carry.
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
+              "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+PAIR_KEYS = ("prompt", "chosen", "rejected")
+
+
+@dataclass
+class DPOParams:
+    max_steps: int = 100
+    batch_size: int = 32                # pairs per optimizer step
+    learning_rate: float = 5e-5
+    beta: float = 0.1                   # DPO temperature (Rafailov et al. 2023): higher stays closer to the reference
+    loss_type: str = "sigmoid"          # any TRL DPO loss_type in LOSS_TYPES
+    warmup_ratio: float = 0.05          # fraction of max_steps spent ramping the LR up linearly
+    seed: int = 0                       # data order (dropout is off in DPO)
+    logging_steps: int = 10             # loss and rewards are logged (and progress_callback called) this often
+    max_length: int | None = 256        # tokens of prompt + completion; a prompt this long drops the pair
+    num_threads: int | None = None      # torch intra-op threads (process-wide); None leaves the setting alone
+    use_cpu: bool | None = None         # None: CPU exactly when no CUDA device exists
+    sft_weight: float = 0.0             # weight of the NLL on chosen (RPO, Pang et al. 2024); 0 = pure DPO
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.batch_size < 1 or self.logging_steps < 1:
+            raise ValueError("DPOParams: max_steps, batch_size and logging_steps must be >= 1")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"DPOParams.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"DPOParams.learning_rate must be > 0, got {self.learning_rate}")
+        if not self.beta > 0:  # also rejects nan
+            raise ValueError(f"DPOParams.beta must be > 0, got {self.beta}: it scales the implicit reward")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"DPOParams.loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
+        if not self.sft_weight >= 0:
+            raise ValueError(f"DPOParams.sft_weight must be >= 0, got {self.sft_weight}")
+        if self.sft_weight > 0 and self.loss_type == "sft":
+            raise ValueError("DPOParams: sft_weight adds an SFT term to a preference loss; with loss_type='sft' "
+                             "set sft_weight=0 or choose a preference loss_type")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"DPOParams.max_length must be >= 2 tokens or None, got {self.max_length}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"DPOParams.num_threads must be >= 1 or None, got {self.num_threads}")
+
+
+def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str, str]], out_dir: str,
+              params: DPOParams, progress_callback: ProgressCallback | None = None) -> dict[str, Any]:
+    """Train the policy at `model_path` to prefer `chosen` over `rejected`; save it to `out_dir`.
+
+    pairs: [{"prompt", "chosen", "rejected"}], completions without EOS (it is appended here).
+    ref_model_path: the frozen reference (previous round's policy or the initial model); None means the
+    starting model itself is the reference.
+
+    Returns train_loss (mean over all steps), first_loss / final_loss (first and last logged), steps,
+    runtime_s, pairs (the number trained on) and the last logged "rewards/accuracies" (fraction of pairs
+    whose implicit reward beta * log(pi/pi_ref) ranks chosen first) and "rewards/margins" (mean chosen minus
+    rejected reward); nan where nothing was logged.
+    """
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from components.rewards import save_checkpoint
+
+    _check_pairs(pairs)
+    if params.num_threads is not None:
+        torch.set_num_threads(params.num_threads)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ref_model = None  # TRL then loads the reference from the policy's own path
+    if ref_model_path is not None and not _same_path(ref_model_path, model_path):
+        ref_model = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=torch.float32)
+        if ref_model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"train_dpo: reference {ref_model_path} has vocab {ref_model.config.vocab_size}, the "
+                             f"policy {model_path} has {model.config.vocab_size}; they must share a tokenizer")
+    # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
+    eos = tok.eos_token
+    ds = datasets.Dataset.from_list([
+        {"prompt": p["prompt"], **{k: p[k] + ("" if p[k].endswith(eos) else eos) for k in ("chosen", "rejected")}}
+        for p in pairs])
+    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
+    history: list[dict[str, float]] = []
+
+    class _Record(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs:
+                return
+            history.append(dict(logs))
+            if "loss" in logs and progress_callback is not None:
+                progress_callback(state.global_step, state.max_steps, float(logs["loss"]))
+
+    with tempfile.TemporaryDirectory(prefix="coevo-dpo-") as scratch:
+        args = _dpo_config(DPOConfig, scratch, params, use_cpu)
+        with _quiet_datasets():  # TRL's dataset.map progress bars would flood the stage log
+            trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=ds,
+                                 processing_class=tok, callbacks=[_Record()])
+        trainer.remove_callback(PrinterCallback)  # it prints every log dict; progress_callback reports instead
+        used = len(trainer.train_dataset)
+        if used == 0:
+            raise ValueError(f"train_dpo: every prompt fills max_length={params.max_length} tokens, so TRL dropped "
+                             "all pairs; raise max_length")
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():  # TRL 1.16 reads the renamed `is_gradient_checkpointing` every step
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            result = trainer.train()
+        runtime = time.perf_counter() - t0
+    tok.padding_side = "left"  # saved for generation
+    save_checkpoint(trainer.accelerator.unwrap_model(trainer.model), tok, out_dir)
+    if not (Path(out_dir) / "model.safetensors").exists():
+        raise RuntimeError(f"{out_dir}: no model.safetensors was written")
+    losses = [float(h["loss"]) for h in history if "loss" in h]
+    return {
+        "train_loss": float(result.training_loss),
+        "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
+        "steps": int(result.global_step), "runtime_s": runtime, "pairs": used,
+        **{k: _last(history, k) for k in ("rewards/accuracies", "rewards/margins")},
+    }
+
+
+def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool):
+    # The RPO term is TRL's "sft" loss added to the preference loss; TRL 1.16 has no rpo_alpha any more.
+    loss_type, loss_weights = [params.loss_type], None
+    if params.sft_weight > 0:
+        loss_type, loss_weights = [params.loss_type, "sft"], [1.0, params.sft_weight]
+    return DPOConfig(
+        output_dir=output_dir,  # scratch: with save_strategy="no" nothing lands there
+        max_steps=params.max_steps, per_device_train_batch_size=params.batch_size,
+        learning_rate=params.learning_rate, lr_scheduler_type="linear",
+        warmup_steps=params.warmup_ratio,  # transformers 5 dropped warmup_ratio: a float < 1 is a ratio
+        seed=params.seed, data_seed=params.seed, use_cpu=use_cpu,
+        # TRL configs default to bf16 and activation checkpointing: both only slow a small fp32 model down,
+        # and bf16 on CPU would also change the numbers.
+        bf16=False, fp16=False, activation_checkpointing=False,
+        logging_steps=params.logging_steps, logging_first_step=True, disable_tqdm=True, report_to="none",
+        save_strategy="no", dataloader_num_workers=0, dataloader_pin_memory=not use_cpu,
+        beta=params.beta, loss_type=loss_type, loss_weights=loss_weights, max_length=params.max_length,
+    )
+
+
+def _check_pairs(pairs: list[dict[str, str]]) -> None:
+    if not pairs:
+        raise ValueError("train_dpo: no pairs")
+    for i, p in enumerate(pairs):
+        missing = [k for k in PAIR_KEYS if k not in p]
+        if missing:
+            raise ValueError(f"train_dpo: pairs[{i}] is missing {missing}; each pair needs {list(PAIR_KEYS)}")
+        bad = [k for k in PAIR_KEYS if not isinstance(p[k], str) or not p[k]]
+        if bad:
+            raise ValueError(f"train_dpo: pairs[{i}] has empty or non-string {bad}")
+
+
+def _same_path(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
+def _last(history: list[dict[str, float]], key: str) -> float:
+    values = [float(h[key]) for h in history if key in h]
+    return values[-1] if values else math.nan

@@ -1,0 +1,148 @@
+"""The `coevo` recipe, 2 micro rounds, through the real Prefect flow, MLflow (SQLite) and DuckDB:
+Monte Carlo step labels, a PRM per round, PRM-ranked selections, DPO pairs and PRM best-of-N.
+
+    .venv/bin/python -m pytest tests/integration/test_coevo_recipe.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from components.config import load_config
+from components.store import Store
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def coevo_run(prefect_server, tmp_path_factory, repo):
+    from flows.evolution import self_evolution
+
+    workdir = tmp_path_factory.mktemp("coevo")
+    config = repo / "configs" / "micro-coevo.yaml"
+    overrides = [f"workdir={workdir}"]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store(cfg.store_path)
+
+
+def _one(store: Store, sql: str, params: list | None = None):
+    return store.query(sql, params)[1][0][0]
+
+
+def test_rounds_run_train_reward_between_score_and_filter(coevo_run):
+    cfg, store = coevo_run
+    order = [s for (s,) in store.query("SELECT stage FROM stage_runs WHERE experiment_id=? AND round=1 "
+                                       "AND status='committed' ORDER BY started_at", [cfg.experiment])[1]]
+    assert order == ["generate", "verify", "score", "train_reward", "filter", "train_policy", "evaluate"]
+
+
+def test_step_labels_come_from_rollouts_and_the_oracle(coevo_run):
+    cfg, store = coevo_run
+    rows = dict(((r, s), (n, k)) for r, s, n, k in store.query(
+        "SELECT t.round, l.source, count(*), max(l.num_rollouts) FROM step_labels l JOIN trajectories t "
+        "USING (trajectory_id) WHERE t.experiment_id=? AND t.purpose='train' GROUP BY ALL", [cfg.experiment])[1])
+    for r in (1, 2):
+        assert rows[(r, "mc_hard")][0] == rows[(r, "mc_soft")][0] > 0
+        assert rows[(r, "mc_hard")][1] == cfg.score.mc_rollouts
+        assert rows[(r, "oracle")][0] >= rows[(r, "mc_hard")][0]
+    # At most mc_max_trajectories distinct texts were rolled out per round; their tokens count in the budget.
+    distinct = store.query(
+        "SELECT t.round, count(DISTINCT (t.problem_id, t.completion)) FROM step_labels l JOIN trajectories t "
+        "USING (trajectory_id) WHERE l.source='mc_hard' AND t.experiment_id=? GROUP BY 1", [cfg.experiment])[1]
+    assert all(n <= cfg.score.mc_max_trajectories for _, n in distinct)
+    budget = store.query("SELECT round, generated_tokens, mc_tokens, budget_tokens FROM v_round_summary "
+                         "WHERE experiment_id=? AND round > 0 ORDER BY 1", [cfg.experiment])[1]
+    assert all(mc > 0 and b == g + mc for _, g, mc, b in budget)
+
+
+def test_each_round_trains_a_prm_and_round_two_is_scored_by_round_ones(coevo_run):
+    cfg, store = coevo_run
+    prms = store.rows("SELECT model_id, round, parent_model_id, train_examples FROM models "
+                      "WHERE experiment_id=? AND role='prm' ORDER BY round", [cfg.experiment])
+    assert [m["model_id"] for m in prms] == ["micro-coevo/prm/r1", "micro-coevo/prm/r2"]
+    assert prms[1]["parent_model_id"] == "micro-coevo/prm/r1"   # warm start
+    assert prms[1]["train_examples"] > prms[0]["train_examples"]  # all labels so far
+    scorers = dict(store.query(
+        "SELECT t.round, list(DISTINCT s.model_id ORDER BY s.model_id) FROM scores s JOIN trajectories t "
+        "USING (trajectory_id) WHERE t.experiment_id=? AND t.purpose='train' AND s.scorer='prm' GROUP BY 1",
+        [cfg.experiment])[1])
+    assert scorers == {2: ["micro-coevo/prm/r1"]}   # round 1 had no earlier PRM
+    # Every scored trajectory has one score per step, plus min/last/mean.
+    bad = _one(store, "SELECT count(*) FROM (SELECT s.trajectory_id, count(*) FILTER (WHERE aggregate='step') AS n "
+                      "FROM scores s WHERE scorer='prm' GROUP BY 1) x JOIN (SELECT trajectory_id, count(*) AS k "
+                      "FROM steps GROUP BY 1) y USING (trajectory_id) WHERE n <> k")
+    assert bad == 0
+    # The PRM's training data is in the lineage: new labels this round, replayed ones from round 1.
+    uses = dict(store.query("SELECT use, count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/prm/r2' "
+                            "AND selection_reason IS NOT NULL GROUP BY 1")[1])
+    assert uses["new"] > 0 and uses["replay"] > 0
+
+
+def test_selections_rank_by_prm_and_pair_for_dpo(coevo_run):
+    cfg, store = coevo_run
+    purposes = dict(store.query("SELECT purpose, count(*) FROM selections WHERE experiment_id=? AND round=2 "
+                                "AND selected GROUP BY 1", [cfg.experiment])[1])
+    assert purposes["policy_sft"] > 0 and purposes["reward_train"] > 0
+    assert purposes["dpo_chosen"] == purposes["dpo_rejected"] > 0
+    # In round 2, within each problem, a selected SFT trajectory never has a lower PRM min than a
+    # right answer dropped for the per-problem cap.
+    inversions = _one(store, """
+        WITH s AS (SELECT sel.trajectory_id, t.problem_id, sel.selected, sel.reason, sc.value
+                   FROM selections sel JOIN trajectories t USING (trajectory_id)
+                   JOIN scores sc ON sc.trajectory_id = sel.trajectory_id AND sc.scorer='prm' AND sc.aggregate='min'
+                   WHERE sel.experiment_id=? AND sel.round=2 AND sel.purpose='policy_sft')
+        SELECT count(*) FROM s a JOIN s b USING (problem_id)
+        WHERE a.selected AND b.reason LIKE 'over max_per_problem%' AND a.value < b.value""", [cfg.experiment])
+    assert inversions == 0
+    # Each pair: a verified-correct chosen side, an incorrect rejected side, of the same problem.
+    pairs = store.query("""
+        SELECT pair_id, bool_and((purpose='dpo_chosen') = v.correct), count(DISTINCT t.problem_id), count(*)
+        FROM selections s JOIN verifications v USING (trajectory_id) JOIN trajectories t USING (trajectory_id)
+        WHERE s.experiment_id=? AND s.purpose LIKE 'dpo_%' GROUP BY 1""", [cfg.experiment])[1]
+    assert pairs and all(ok and n_prob == 1 and n == 2 for _, ok, n_prob, n in pairs)
+    # The rejected sides trained the policy too, and say so in the lineage.
+    assert _one(store, "SELECT count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/policy/r2' "
+                       "AND use='dpo_rejected' AND selection_reason = 'incorrect, worst reward'") > 0
+
+
+def test_evaluation_reports_best_of_n_and_step_quality(coevo_run):
+    cfg, store = coevo_run
+    ev = dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? AND round=2 AND level=-1",
+                          [cfg.experiment])[1])
+    for n in cfg.evaluate.best_of_n:
+        assert 0.0 <= ev[f"prm_bon_at_{n}"] <= ev[f"pass_at_{n}"] <= 1.0
+        assert f"maj_at_{n}" in ev and f"distinct_correct_at_{n}" in ev
+    for k in ("prm_step_precision", "prm_step_recall", "prm_step_f1", "prm_error_f1", "processbench_f1",
+              "first_error_acc_erroneous", "prm_verifier_disagreement"):
+        assert 0.0 <= ev[k] <= 1.0, k
+    assert "prm_bon_at_4" not in dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? "
+                                                  "AND round=0", [cfg.experiment])[1])
+    # The step metrics are recomputable from the store: oracle labels beside the PRM's step scores.
+    f1 = _one(store, """
+        WITH c AS (SELECT score >= 0.5 AS pred, oracle = 1.0 AS gold FROM v_prm_calibration
+                   WHERE experiment_id=? AND round=2 AND oracle IS NOT NULL AND trajectory_id IN
+                   (SELECT trajectory_id FROM trajectories WHERE purpose='eval'))
+        SELECT 2 * count(*) FILTER (WHERE pred AND gold) /
+               (2 * count(*) FILTER (WHERE pred AND gold) + count(*) FILTER (WHERE pred <> gold)) FROM c""",
+               [cfg.experiment])
+    assert f1 == pytest.approx(ev["prm_step_f1"])
+
+
+def test_prm_versions_are_registered_with_round_and_lineage(coevo_run):
+    from mlflow.tracking import MlflowClient
+
+    from components.tracking import tracking_uri
+
+    cfg, store = coevo_run
+    client = MlflowClient(tracking_uri(cfg), registry_uri=tracking_uri(cfg))
+    versions = {int(v.tags["coevo.round"]): v for v in client.search_model_versions("name = 'micro-coevo-prm'")}
+    assert sorted(versions) == [1, 2]
+    for r, v in versions.items():
+        assert v.tags["coevo.model_id"] == f"micro-coevo/prm/r{r}"
+        assert v.tags["coevo.lineage"] == f"SELECT * FROM v_lineage WHERE trained_model_id = 'micro-coevo/prm/r{r}'"
+        assert "heldout_prm_step_f1" in v.tags
+        assert "prm/model.safetensors" in {a.path for a in client.list_artifacts(v.run_id, "prm")}
+    assert client.get_model_version_by_alias("micro-coevo-prm", "current").version == versions[2].version
+    policy = client.search_model_versions("name = 'micro-coevo-policy'")
+    assert sorted(int(v.tags["coevo.round"]) for v in policy) == [0, 1, 2]
