@@ -37,7 +37,10 @@ RUNS = {
 
 def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
     config, sets = RUNS[name]
-    sets = [*sets, f"workdir={workdir}"] + ([f"rounds={rounds}"] if rounds is not None else [])
+    # One DuckDB store for both (its commits retry on the lock), but an MLflow SQLite file each: two
+    # processes creating and migrating one SQLite file at once fail.
+    sets = [*sets, f"workdir={workdir}", f"tracking.tracking_uri=sqlite:///{workdir / f'mlflow-{name}.db'}"]
+    sets += [f"rounds={rounds}"] if rounds is not None else []
     cmd = [str(Path(sys.executable).parent / "coevo"), "run", "--config", str(REPO / config)]
     for s in sets:
         cmd += ["--set", s]

@@ -109,12 +109,14 @@ def reward_metrics(
     per_level: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for t in trajectories:
+        groups[t["problem_id"]]  # every problem is checked against N, even one with its greedy answer only
         if t["sample_index"] > 0:  # index 0 is the greedy answer
             groups[t["problem_id"]].append(t)
+    level_of_problem = {t["problem_id"]: t["level"] for t in trajectories}
     prm_min = {tid: min(v) if v else 0.0 for tid, v in (prm_steps or {}).items()}
     for pid, group in sorted(groups.items()):
         group.sort(key=lambda t: t["sample_index"])
-        m = per_level[group[0]["level"]]
+        m = per_level[level_of_problem[pid]]
         ok = [bool(correct[t["trajectory_id"]]) for t in group]
         for n in best_of_n:
             if len(group) < n:

@@ -133,7 +133,8 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
             # This round's selections are new data; earlier rounds' (demos included) are the replay pool.
             params["replay_ratio"] = cfg.train_policy.replay_ratio
             if cfg.train_policy.method != "sft":
-                ref = parent if cfg.train_policy.dpo.reference == "previous" else committed_model(store, exp, 0)
+                ref_round = round - 1 if cfg.train_policy.dpo.reference == "previous" else 0
+                ref = committed_model(store, exp, ref_round)
                 params |= {"dpo_reference_uri": ref["uri"], "dpo_reference_model_id": ref["model_id"]}
             inputs.append(input_ref(store, exp, 0, "train_policy"))
             for r in range(1, round + 1):

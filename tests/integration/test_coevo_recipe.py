@@ -6,20 +6,23 @@ Monte Carlo step labels, a PRM per round, PRM-ranked selections, DPO pairs and P
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from components.config import load_config
 from components.store import Store
 
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def coevo_run(prefect_server, tmp_path_factory, repo):
+def coevo_run(prefect_server, tmp_path_factory):
     from flows.evolution import self_evolution
 
     workdir = tmp_path_factory.mktemp("coevo")
-    config = repo / "configs" / "micro-coevo.yaml"
+    config = REPO / "configs" / "micro-coevo.yaml"
     overrides = [f"workdir={workdir}"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
