@@ -227,10 +227,12 @@ ORDER BY ev.experiment_id, ev.round;
 CREATE OR REPLACE VIEW v_trajectory_scores AS
 SELECT t.experiment_id, t.round, t.trajectory_id, t.problem_id, t.level, t.sample_index, t.num_tokens,
        v.correct,
-       max(s.value) FILTER (WHERE s.aggregate = 'outcome') AS outcome_score,
-       max(s.value) FILTER (WHERE s.aggregate = 'min') AS min_step_score,
-       max(s.value) FILTER (WHERE s.aggregate = 'last') AS last_step_score,
-       max(s.value) FILTER (WHERE s.aggregate = 'mean') AS mean_step_score
+       max(s.value) FILTER (WHERE s.scorer = 'outcome') AS outcome_score,
+       max(s.value) FILTER (WHERE s.scorer = 'prm' AND s.aggregate = 'min') AS min_step_score,
+       max(s.value) FILTER (WHERE s.scorer = 'prm' AND s.aggregate = 'last') AS last_step_score,
+       max(s.value) FILTER (WHERE s.scorer = 'prm' AND s.aggregate = 'mean') AS mean_step_score,
+       max(s.value) FILTER (WHERE s.scorer = 'orm') AS orm_score,
+       any_value(s.model_id) FILTER (WHERE s.scorer = 'prm') AS prm_model_id
 FROM trajectories t
 LEFT JOIN verifications v USING (trajectory_id)
 LEFT JOIN scores s USING (trajectory_id)

@@ -100,7 +100,7 @@ def test_selections_rank_by_prm_and_pair_for_dpo(coevo_run):
     assert inversions == 0
     # Each pair: a verified-correct chosen side, an incorrect rejected side, of the same problem.
     pairs = store.query("""
-        SELECT pair_id, bool_and((purpose='dpo_chosen') = v.correct), count(DISTINCT t.problem_id), count(*)
+        SELECT pair_id, bool_and((s.purpose='dpo_chosen') = v.correct), count(DISTINCT t.problem_id), count(*)
         FROM selections s JOIN verifications v USING (trajectory_id) JOIN trajectories t USING (trajectory_id)
         WHERE s.experiment_id=? AND s.purpose LIKE 'dpo_%' GROUP BY 1""", [cfg.experiment])[1]
     assert pairs and all(ok and n_prob == 1 and n == 2 for _, ok, n_prob, n in pairs)
