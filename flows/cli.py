@@ -13,6 +13,8 @@ import csv
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -53,7 +55,7 @@ def run(
         _fail(str(e), 2)
     if cfg.policy.model and _looks_local(cfg.policy.model) and not Path(cfg.policy.model).exists():
         _fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
-    _run_flow("self_evolution", config_path=str(config), overrides=overrides)
+    _run_flow("self_evolution", progress_bars=True, config_path=str(config), overrides=overrides)
     _print_summary(Path(cfg.workdir), cfg.experiment)
 
 
@@ -61,17 +63,41 @@ def _looks_local(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or Path(name).exists()
 
 
-def _run_flow(flow_name: str, /, **params):
+def _run_flow(flow_name: str, /, *, progress_bars: bool = False, **params):
     from components.locking import ExperimentLockedError
     from components.store import StoreError
     from flows import evolution
 
-    try:
-        return getattr(evolution, flow_name)(**params)
+    try:  # the bars end before an error is printed
+        with _progress_bars() if progress_bars else nullcontext():
+            return getattr(evolution, flow_name)(**params)
     except (ExperimentLockedError, StoreError, ValueError, FileNotFoundError) as e:
         _fail(str(e), 2)
     except Exception as e:  # the flow already logged the traceback
         _fail(f"{flow_name} failed: {type(e).__name__}: {e}", 1)
+
+
+@contextmanager
+def _progress_bars() -> Iterator[None]:
+    """A bar per running stage while stdout is a terminal.
+
+    The bars live on the console of Prefect's console log handler: a log line printed there scrolls
+    above the bars, where one written past them to the terminal would tear them.
+    """
+    if not console.is_terminal:
+        yield
+        return
+    import logging
+
+    from prefect.logging.configuration import ensure_logging_setup
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    from components.progress import RichProgressSink, installed
+
+    ensure_logging_setup()
+    on = next((h.console for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)), err)
+    with RichProgressSink(on) as sink, installed(sink):
+        yield
 
 
 def _print_summary(workdir: Path, experiment: str) -> None:
@@ -122,7 +148,7 @@ def resume(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
     snapshot = workdir / experiment / CONFIG_SNAPSHOT
     if not snapshot.is_file():
         _fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
-    _run_flow("self_evolution", config_path=str(snapshot), overrides=[])
+    _run_flow("self_evolution", progress_bars=True, config_path=str(snapshot), overrides=[])
     _print_summary(workdir, experiment)
 
 
@@ -135,8 +161,8 @@ def rerun(
     workdir: WorkdirOpt = Path("workdir"),
 ) -> None:
     """Rerun one stage of one round as a new attempt (the `run_stage` flow)."""
-    _run_flow("run_stage", experiment=experiment, round=round, stage=stage, downstream=downstream,
-              workdir=str(workdir))
+    _run_flow("run_stage", progress_bars=True, experiment=experiment, round=round, stage=stage,
+              downstream=downstream, workdir=str(workdir))
     status(experiment, workdir)
 
 

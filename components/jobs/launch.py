@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components import progress
 from components.config import ExperimentConfig
 from components.manifest import MANIFEST, ManifestError
 from components.planning import build_spec
@@ -100,15 +101,25 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
     store.start_stage_run(ref, str(out_dir), spec.to_json(), spec.config_hash, spec.seed, task_run_id)
     t0 = time.perf_counter()
     log(f"{ref.stage_run_id}: starting job (seed {spec.seed})")
+
+    def job_log(line: str) -> None:
+        log(line)
+        progress.stage_line(ref.stage_run_id, line)
+
+    progress.stage_started(ref.stage_run_id)
+    ok = False
     try:
-        run_job(stage, spec_path, log, cfg.stage_timeout_s)
+        run_job(stage, spec_path, job_log, cfg.stage_timeout_s)
         manifest = store.commit(ref, out_dir / MANIFEST)
+        ok = True
     except (StageJobError, ManifestError, StoreError) as e:
         store.fail_stage_run(ref, str(e))
         raise
     except BaseException as e:  # KeyboardInterrupt, cancellation: never leave `running` behind
         store.fail_stage_run(ref, f"interrupted: {type(e).__name__}: {e}")
         raise
+    finally:
+        progress.stage_finished(ref.stage_run_id, ok)
     dt = time.perf_counter() - t0
     log(f"{ref.stage_run_id}: committed in {dt:.1f}s " + ", ".join(f"{o['table']}={o['rows']}" for o in manifest.outputs))
     return StageResult(ref.stage_run_id, round, stage, attempt, str(out_dir), dict(manifest.metrics), dt,
