@@ -45,8 +45,9 @@ def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
     for s in sets:
         cmd += ["--set", s]
     log = open(workdir / f"{name}.log", "w")
-    env = os.environ | {"PREFECT_HOME": str(workdir / ".prefect" / name),
-                        "COEVO_TORCH_THREADS": os.environ.get("COEVO_TORCH_THREADS", "1")}
+    # A busy machine starts Prefect's temporary server slowly: 180 s, not the default 20 s.
+    env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "COEVO_TORCH_THREADS": "1"} | os.environ
+    env["PREFECT_HOME"] = str(workdir / ".prefect" / name)
     Path(env["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     print(f"[{name}] {' '.join(cmd)}  (log: {log.name})", flush=True)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
