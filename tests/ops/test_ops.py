@@ -173,7 +173,11 @@ def test_export_parquet_and_hf(micro_workdir, tmp_path):
     coevo("export", "micro", "--to", "parquet", "--workdir", w, "--out", str(out))
     t = pq.read_table(out / "trajectories.parquet")
     assert t.num_rows == n_traj and set(t.column("experiment_id").to_pylist()) == {"micro"}
-    assert pq.read_table(out / "step_labels.parquet").num_rows == 0  # empty tables keep their schema
+    # rft rolls nothing out: its step labels are the domain's oracle labels, stored for evaluation only.
+    n_labels = store.query("SELECT count(*) FROM step_labels JOIN trajectories USING (trajectory_id) "
+                           "WHERE experiment_id = 'micro' AND source = 'oracle'")[1][0][0]
+    labels = pq.read_table(out / "step_labels.parquet")
+    assert n_labels > 0 and labels.num_rows == n_labels and set(labels.column("source").to_pylist()) == {"oracle"}
     meta = json.loads((out / "export.json").read_text())
     assert meta["rows"]["trajectories"] == n_traj and meta["experiment"] == "micro"
 
@@ -184,7 +188,7 @@ def test_export_parquet_and_hf(micro_workdir, tmp_path):
     assert ds["evaluations"].num_rows == store.query(
         "SELECT count(*) FROM evaluations WHERE experiment_id = 'micro'")[1][0][0]
     assert "completion" in ds["trajectories"].column_names
-    assert ds["step_labels"].num_rows == 0 and "source" in ds["step_labels"].column_names
+    assert ds["step_labels"].num_rows == n_labels and "source" in ds["step_labels"].column_names
 
 
 @pytest.mark.slow
