@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.training.sft import ProgressCallback, _quiet_datasets
+from components.training.sft import ProgressCallback, _quiet_datasets, check_schedule
 
 # TRL 1.16 DPOConfig.loss_type choices. "exo_pair" is left out: it needs label_smoothing > 0, which these
 # params do not carry.
@@ -48,12 +48,7 @@ class DPOParams:
     sft_weight: float = 0.0             # weight of the NLL on chosen (RPO, Pang et al. 2024); 0 = pure DPO
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1 or self.batch_size < 1 or self.logging_steps < 1:
-            raise ValueError("DPOParams: max_steps, batch_size and logging_steps must be >= 1")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"DPOParams.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"DPOParams.learning_rate must be > 0, got {self.learning_rate}")
+        check_schedule(self)
         if not self.beta > 0:  # also rejects nan
             raise ValueError(f"DPOParams.beta must be > 0, got {self.beta}: it scales the implicit reward")
         if self.loss_type not in LOSS_TYPES:

@@ -42,12 +42,18 @@ class SFTParams:
     full_determinism: bool = False      # GPU bitwise reproducibility (slower); CPU is deterministic already
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1 or self.batch_size < 1 or self.logging_steps < 1:
-            raise ValueError("SFTParams: max_steps, batch_size and logging_steps must be >= 1")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"SFTParams.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"SFTParams.learning_rate must be > 0, got {self.learning_rate}")
+        check_schedule(self)
+
+
+def check_schedule(params: Any) -> None:
+    """The checks every trainer's params share (SFTParams, DPOParams): steps, batch, logging, warmup, LR."""
+    name = type(params).__name__
+    if params.max_steps < 1 or params.batch_size < 1 or params.logging_steps < 1:
+        raise ValueError(f"{name}: max_steps, batch_size and logging_steps must be >= 1")
+    if not 0 <= params.warmup_ratio < 1:
+        raise ValueError(f"{name}.warmup_ratio must be in [0, 1), got {params.warmup_ratio}")
+    if params.learning_rate <= 0:
+        raise ValueError(f"{name}.learning_rate must be > 0, got {params.learning_rate}")
 
 
 def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, params: SFTParams,
