@@ -132,8 +132,8 @@ def reward_metrics(
                         m[f"prm_selection_acc_at_{n}"].append(re_.selection_accuracy(g, n))
     level_of = {t["trajectory_id"]: t["level"] for t in trajectories}
     pooled: dict[str, list[float]] = defaultdict(list)
-    if prm_steps and oracle:
-        labelled = [t for t in sorted(prm_steps) if t in oracle and oracle[t] and len(oracle[t]) == len(prm_steps[t])]
+    labelled = [t for t in sorted(prm_steps or {}) if oracle and oracle.get(t) and len(oracle[t]) == len(prm_steps[t])]
+    if labelled:
         _step_metrics(pooled, [prm_steps[t] for t in labelled], [oracle[t] for t in labelled])
     if prm_steps:
         by_level: dict[int, list[str]] = defaultdict(list)
@@ -142,9 +142,8 @@ def reward_metrics(
         for level, tids in by_level.items():
             per_level[level]["prm_verifier_disagreement"] += [
                 float(re_.disagreement_rate([prm_min[t]], [bool(correct[t])])) for t in tids]
-            if oracle:
-                labelled = [t for t in tids if t in oracle and len(oracle[t]) == len(prm_steps[t]) and oracle[t]]
-                _step_metrics(per_level[level], [prm_steps[t] for t in labelled], [oracle[t] for t in labelled])
+            mine = [t for t in labelled if level_of[t] == level]
+            _step_metrics(per_level[level], [prm_steps[t] for t in mine], [oracle[t] for t in mine])
             if steps:
                 per_level[level]["eval_repeated_step_rate"] += [re_.repeated_step_rate([steps.get(t, [])]) for t in tids]
     return _rows(per_level, experiment, round, model_id, pooled)

@@ -83,14 +83,10 @@ def dpo_pairs(
         by_problem[t["problem_id"]].append(t)
     rows = []
     for pid in sorted(by_problem):
-        def distinct(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            seen: set[str] = set()
-            return [t for t in group if not (t["completion"] in seen or seen.add(t["completion"]))]
-
         order = sorted(by_problem[pid], key=lambda t: (-scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
-        good = distinct([t for t in order if correct.get(t["trajectory_id"]) and eligible.get(t["trajectory_id"])])
+        good = _distinct_texts([t for t in order if correct.get(t["trajectory_id"]) and eligible.get(t["trajectory_id"])])
         worst_first = sorted(by_problem[pid], key=lambda t: (scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
-        bad = distinct([t for t in worst_first if correct.get(t["trajectory_id"]) is False])
+        bad = _distinct_texts([t for t in worst_first if correct.get(t["trajectory_id"]) is False])
         for j, (g, b) in enumerate(zip(good, bad)):
             if j >= max_pairs_per_problem:
                 break
@@ -99,3 +95,9 @@ def dpo_pairs(
                 rows.append({"trajectory_id": t["trajectory_id"], "experiment_id": experiment, "round": round,
                              "purpose": purpose, "selected": True, "rank": j, "reason": why, "pair_id": pair})
     return rows
+
+
+def _distinct_texts(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first trajectory of each completion text, in order."""
+    seen: set[str] = set()
+    return [t for t in group if not (t["completion"] in seen or seen.add(t["completion"]))]
