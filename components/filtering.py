@@ -24,13 +24,8 @@ def rft_filter(
     >>> [(r["trajectory_id"], r["selected"], r["reason"]) for r in rows]
     [('a', True, 'correct'), ('b', False, 'duplicate'), ('c', False, 'incorrect'), ('d', True, 'correct')]
     """
-    by_problem: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for t in trajectories:
-        by_problem[t["problem_id"]].append(t)
     rows = []
-    for pid in sorted(by_problem):
-        # Highest score first, then sample order: deterministic ranking.
-        group = sorted(by_problem[pid], key=lambda t: (-scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
+    for pid, group in _ranked_by_problem(trajectories, scores):
         seen: set[str] = set()
         rank = 0
         for t in group:
@@ -78,14 +73,10 @@ def dpo_pairs(
     [('b', 'dpo_chosen', 'e/r1/p/0'), ('d', 'dpo_rejected', 'e/r1/p/0')]
     """
     eligible = eligible if eligible is not None else {t: bool(ok) for t, ok in correct.items()}
-    by_problem: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for t in trajectories:
-        by_problem[t["problem_id"]].append(t)
     rows = []
-    for pid in sorted(by_problem):
-        order = sorted(by_problem[pid], key=lambda t: (-scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
+    for pid, order in _ranked_by_problem(trajectories, scores):
         good = _distinct_texts([t for t in order if correct.get(t["trajectory_id"]) and eligible.get(t["trajectory_id"])])
-        worst_first = sorted(by_problem[pid], key=lambda t: (scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
+        worst_first = sorted(order, key=lambda t: (scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
         bad = _distinct_texts([t for t in worst_first if correct.get(t["trajectory_id"]) is False])
         for j, (g, b) in enumerate(zip(good, bad)):
             if j >= max_pairs_per_problem:
@@ -101,3 +92,13 @@ def _distinct_texts(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first trajectory of each completion text, in order."""
     seen: set[str] = set()
     return [t for t in group if not (t["completion"] in seen or seen.add(t["completion"]))]
+
+
+def _ranked_by_problem(trajectories: list[dict[str, Any]],
+                       scores: dict[str, float]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """(problem_id, its trajectories) by problem id; highest score first, then sample order: deterministic."""
+    by_problem: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for t in trajectories:
+        by_problem[t["problem_id"]].append(t)
+    return [(pid, sorted(by_problem[pid], key=lambda t: (-scores.get(t["trajectory_id"], 0.0), t["sample_index"])))
+            for pid in sorted(by_problem)]

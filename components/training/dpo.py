@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.training.sft import ProgressCallback, _quiet_datasets, check_schedule
+from components.training.sft import ProgressCallback, _quiet_datasets, check_schedule, load_for_training
 
 # TRL 1.16 DPOConfig.loss_type choices. "exo_pair" is left out: it needs label_smoothing > 0, which these
 # params do not carry.
@@ -79,18 +79,13 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
     """
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     from components.rewards import save_checkpoint
 
     _check_pairs(pairs)
-    if params.num_threads is not None:
-        torch.set_num_threads(params.num_threads)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model, tok = load_for_training(model_path, params.num_threads)
     ref_model = None  # TRL then loads the reference from the policy's own path
     if ref_model_path is not None and not _same_path(ref_model_path, model_path):
         ref_model = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=torch.float32)

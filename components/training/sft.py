@@ -65,17 +65,12 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
     """
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
     if not examples:
         raise ValueError("train_sft: no examples")
-    if params.num_threads is not None:
-        torch.set_num_threads(params.num_threads)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model, tok = load_for_training(model_path, params.num_threads)
     # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
     eos = tok.eos_token
     ds = datasets.Dataset.from_list([
@@ -113,6 +108,19 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
         "steps": int(result.global_step), "tokens_seen": tokens_seen, "runtime_s": runtime,
         "tokens_per_s": tokens_seen / max(runtime, 1e-9),
     }
+
+
+def load_for_training(model_path: str, num_threads: int | None):
+    """(model in fp32, tokenizer with a pad token) to train from; sets torch's threads when asked."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), tok
 
 
 def _sft_config(SFTConfig, output_dir: str, params: SFTParams, use_cpu: bool):
