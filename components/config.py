@@ -63,6 +63,15 @@ class BootstrapConfig(_Section):
     learning_rate: float = Field(2e-3, gt=0)
 
 
+class SearchConfig(_Section):
+    """PRM-guided step-level sampling (components/search.py): needs a previous round's PRM."""
+
+    method: Literal["prm_step"] = "prm_step"
+    max_tries: int = Field(4, ge=1, description="Draws of one step at most; the best-scored is kept.")
+    threshold: float = Field(0.5, ge=0.0, le=1.0, description="A step the PRM scores at least this is kept at once.")
+    max_steps: int = Field(32, ge=1, description="Steps per sample at most.")
+
+
 class GenerateConfig(_Section):
     backend: Literal["hf", "vllm", "openai"] = "hf"
     backend_options: dict[str, Any] = Field(default_factory=dict, description="Extra options for the backend.")
@@ -72,6 +81,9 @@ class GenerateConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(96, ge=1)
     batch_size: int = Field(256, ge=1)
+    search: SearchConfig | None = Field(
+        None, description="Null: plain sampling. Otherwise each sample is built step by step, the previous "
+                          "round's PRM judging each step (recipe coevo; round 1, with no PRM yet, samples plainly).")
 
 
 class VerifyConfig(_Section):
@@ -81,14 +93,22 @@ class VerifyConfig(_Section):
 class ScoreConfig(_Section):
     """Step labels (Monte Carlo rollouts, oracle) and reward-model scores for the round's trajectories."""
 
-    reward_model: Literal["none", "prm", "orm"] = Field(
+    reward_model: Literal["none", "prm", "orm", "implicit"] = Field(
         "none", description="The previous round's reward model scores every step and trajectory; 'none' scores "
-                            "by verifier outcome only (round 1 of a coevo run has no previous reward model yet).")
+                            "by verifier outcome only (round 1 of a coevo run has no previous reward model yet). "
+                            "'implicit': no reward model to train; the step reward is beta * log(policy / "
+                            "round-0 policy) summed over the step (Free Process Rewards, PRIME), from round 2 on.")
+    implicit_beta: float = Field(0.05, gt=0.0, description="beta of the implicit PRM (PRIME's value).")
     mc_rollouts: int = Field(
         0, ge=0, description="k completions per step prefix, verified (Math-Shepherd); 0 = no Monte Carlo labels.")
     mc_max_trajectories: int | None = Field(
         None, ge=1, description="Label at most this many distinct trajectories per round (a seeded sample, half "
                                 "correct and half incorrect where possible): rollouts cost k tokens per step.")
+    mc_strategy: Literal["every_prefix", "first_error"] = Field(
+        "every_prefix", description="every_prefix: k rollouts from every step prefix, soft and hard labels "
+                                    "(Math-Shepherd). first_error: hard labels only; a right answer labels its own "
+                                    "steps good, and a binary search rolls out O(log n) prefixes of each wrong one "
+                                    "to find its first dead step (OmegaPRM).")
     mc_temperature: float = Field(0.8, ge=0.0)
     mc_max_new_tokens: int | None = Field(None, ge=1, description="Null: generate.max_new_tokens.")
     oracle_labels: bool = Field(
@@ -161,6 +181,10 @@ class TrainRewardConfig(_Section):
     soft_threshold: float = Field(0.5, gt=0.0, le=1.0, description="mc_soft >= this is a good step.")
     window_rounds: int | None = Field(
         None, ge=1, description="Train on the labels of the last W rounds; null: all rounds so far.")
+    demos: bool = Field(
+        False, description="Also train on the round-0 demonstrations with every step good: gold solutions the "
+                           "policy bootstrapped on, covering the levels the curriculum has moved past (which "
+                           "held-out evaluation still samples); they add no wrong steps.")
     consensus_filter: bool = Field(
         False, description="Keep a label only where the previous PRM agrees with it (Zhang et al. 2025, The "
                            "Lessons of Developing PRMs); labels the previous PRM did not score are kept.")
@@ -244,7 +268,7 @@ class ExperimentConfig(_Section):
 
     @model_validator(mode="after")
     def _scoring_needs_reward_model(self) -> ExperimentConfig:
-        if self.score.reward_model != "none" and not self.train_reward.enabled:
+        if self.score.reward_model in ("prm", "orm") and not self.train_reward.enabled:
             raise ValueError(
                 f"score.reward_model={self.score.reward_model!r} needs a reward model: set train_reward.enabled=true"
             )
@@ -258,9 +282,15 @@ class ExperimentConfig(_Section):
             raise ValueError("recipe 'coevo' trains a PRM each round: set train_reward.enabled=true")
         if self.train_policy.method != "sft" and not self.filter.dpo_pairs:
             raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set filter.dpo_pairs=true")
-        if self.evaluate.best_of_n and not self.train_reward.enabled:
+        if self.score.mc_strategy == "first_error" and self.train_reward.label_source != "mc_hard":
+            raise ValueError("score.mc_strategy='first_error' gives hard labels only: set "
+                             "train_reward.label_source=mc_hard, or score.mc_strategy=every_prefix")
+        if self.generate.search is not None and not self.train_reward.enabled:
+            raise ValueError("generate.search is guided by the previous round's PRM: set train_reward.enabled=true "
+                             "(recipe coevo), or generate.search=null")
+        if self.evaluate.best_of_n and not self.train_reward.enabled and self.score.reward_model != "implicit":
             raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
-                             "train_reward.enabled=true (recipe coevo), or best_of_n=[]")
+                             "train_reward.enabled=true (recipe coevo), score.reward_model=implicit, or best_of_n=[]")
         return self
 
     # -- derived -------------------------------------------------------------------------

@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from components.domains.base import Domain, Problem
-from components.models.backends import GenerationBackend
+from components.models.backends import GenerationBackend, Sample
 
 
 def trajectory_id(experiment: str, round: int, purpose: str, problem_id: str, sample_index: int) -> str:
@@ -36,9 +37,11 @@ class GeneratedBatch:
 def generate(
     domain: Domain, backend: GenerationBackend, problems: list[Problem], *, experiment: str, round: int,
     purpose: str, policy_model_id: str, n: int, temperature: float, top_p: float, max_new_tokens: int, seed: int,
-    split: str = "train", first_sample_index: int = 0,
+    split: str = "train", first_sample_index: int = 0, sample: Callable[..., list[list[Sample]]] | None = None,
 ) -> GeneratedBatch:
-    samples = backend.generate(
+    """`n` samples per problem as trajectory and step rows; `sample` replaces `backend.generate` (same
+    arguments), as the PRM-guided step search does."""
+    samples = (sample or backend.generate)(
         [p.prompt for p in problems], n=n, temperature=temperature, top_p=top_p,
         max_new_tokens=max_new_tokens, seed=seed,
     )

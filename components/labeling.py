@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from components.domains.base import Domain, Problem
-from components.models.backends import GenerationBackend
+from components.models.backends import GenerationBackend, derive_seed
 
 
 def mc_value(correct_flags: list[bool | float]) -> tuple[float, float]:
@@ -80,6 +80,63 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
         "trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": len(slots),
         "rollouts": len(slots) * k, "generated_tokens": sum(s.num_tokens for per in samples for s in per),
     }
+    return rows, stats
+
+
+def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: list[dict[str, Any]], k: int,
+                          temperature: float, max_new_tokens: int,
+                          seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`mc_hard` rows for every step, from rollouts at O(log n) prefixes of the wrong trajectories only.
+
+    Two facts make most of `mc_step_labels`' rollouts redundant for hard labels:
+
+    - a trajectory that reaches the right answer is itself a successful completion of each of its
+      prefixes, so every step's hard value is 1 with no rollout (`num_rollouts` 0);
+    - along a wrong trajectory the hard value can only fall once: a prefix from which no completion
+      succeeds stays dead as steps are added. The first dead prefix is found by binary search over
+      the prefixes, as OmegaPRM does (Luo et al. 2024, https://arxiv.org/abs/2406.06592); the steps
+      before it are good, it and the steps after it are bad.
+
+    The search runs level by level: each level rolls out (k each) the middle prefix of every wrong
+    trajectory still open, in ONE `generate` call, sharing identical prefixes as `mc_step_labels`
+    does. Rows carry the rollouts behind them: k where the prefix was rolled out, 0 where inferred.
+    """
+    if k < 1:
+        raise ValueError(f"mc_first_error_labels: k must be >= 1, got {k}")
+    items = [it for it in items if it["answer_ref"] is not None and it["steps"]]
+    finals = domain.verify([_text(it["steps"]) for it in items], [it["answer_ref"] for it in items]) if items else []
+    # bounds[j] = [lo, hi]: the first bad step of item j lies in [lo, hi]; the final step of a wrong one is bad.
+    bounds = {j: [0, len(it["steps"]) - 1] for j, (it, ok) in enumerate(zip(items, finals)) if not ok}
+    value: dict[tuple[str, str, str], float] = {}  # (prompt, steps so far, reference) -> hard value
+    rolled: set[tuple[str, int]] = set()          # (trajectory, step) whose prefix was rolled out
+    stats = {"trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": 0,
+             "rollouts": 0, "generated_tokens": 0, "search_levels": 0}
+    while any(lo < hi for lo, hi in bounds.values()):
+        mids = {j: (lo + hi) // 2 for j, (lo, hi) in bounds.items() if lo < hi}
+        keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1]), items[j]["answer_ref"]) for j, m in mids.items()}
+        todo = sorted({key for key in keys.values() if key not in value})  # empty when all were rolled out
+        samples = backend.generate([p + done for p, done, _ in todo], n=k, temperature=temperature, top_p=1.0,
+                                   max_new_tokens=max_new_tokens,
+                                   seed=derive_seed(seed, stats["search_levels"])) if todo else []
+        outcomes = domain.verify([done + s.text for (_, done, _), per in zip(todo, samples) for s in per],
+                                 [ref for (_, _, ref) in todo for _ in range(k)]) if todo else []
+        for i, key in enumerate(todo):
+            value[key] = mc_value(outcomes[i * k:(i + 1) * k])[1]
+        stats["unique_prefixes"] += len(todo)
+        stats["rollouts"] += len(todo) * k
+        stats["generated_tokens"] += sum(s.num_tokens for per in samples for s in per)
+        stats["search_levels"] += 1
+        for j, m in mids.items():
+            rolled.add((items[j]["trajectory_id"], m))
+            if value[keys[j]]:
+                bounds[j][0] = m + 1
+            else:
+                bounds[j][1] = m
+    rows: list[dict[str, Any]] = []
+    for j, it in enumerate(items):
+        tid, first_bad = it["trajectory_id"], bounds[j][0] if j in bounds else len(it["steps"])
+        rows += [{"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": float(i < first_bad),
+                  "num_rollouts": k if (tid, i) in rolled else 0} for i in range(len(it["steps"]))]
     return rows, stats
 
 

@@ -106,12 +106,21 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
         policy = committed_model(store, exp, round - 1)
         params |= {"levels": levels, "policy_uri": policy["uri"], "policy_model_id": policy["model_id"],
                    "problem_seeds": {str(lv): derive_seed(cfg.seed, round, "problems", lv) for lv in levels}}
+        prm = optional_model(store, exp, round - 1, "prm") if cfg.generate.search is not None else None
+        if prm:  # round 1 has no PRM yet: it samples plainly
+            params |= {"search_prm_uri": prm["uri"], "search_prm_id": prm["model_id"]}
     elif stage == "score":
         policy = committed_model(store, exp, round - 1)
         params |= {"policy_uri": policy["uri"], "policy_model_id": policy["model_id"]}
-        rm = optional_model(store, exp, round - 1, cfg.score.reward_model) if cfg.score.reward_model != "none" else None
-        if rm:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
-            params |= {"reward_model_uri": rm["uri"], "reward_model_id": rm["model_id"]}
+        if cfg.score.reward_model == "implicit":
+            if round > 1:  # round 1's policy is the reference itself: a log-ratio of 0 everywhere
+                ref = committed_model(store, exp, 0)
+                params |= {"reward_model_uri": policy["uri"], "reward_model_id": policy["model_id"],
+                           "reference_uri": ref["uri"]}
+        elif cfg.score.reward_model != "none":
+            rm = optional_model(store, exp, round - 1, cfg.score.reward_model)
+            if rm:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
+                params |= {"reward_model_uri": rm["uri"], "reward_model_id": rm["model_id"]}
     elif stage == "train_reward":
         policy = committed_model(store, exp, round - 1)
         prev = optional_model(store, exp, round - 1, "prm")
@@ -121,6 +130,8 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
         inputs = []
         for r in label_rounds(cfg, round):
             inputs += [input_ref(store, exp, r, s) for s in UPSTREAM[stage]]
+        if cfg.train_reward.demos:
+            inputs.append(input_ref(store, exp, 0, "train_policy"))
     elif stage == "train_policy":
         if round == 0:
             params["init_uri"] = cfg.policy.model
@@ -146,6 +157,9 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
             rm = optional_model(store, exp, round, role) if round > 0 and cfg.train_reward.enabled else None
             if rm:
                 params |= {f"{role}_uri": rm["uri"], f"{role}_model_id": rm["model_id"]}
+        if cfg.score.reward_model == "implicit" and round > 0:  # this round's policy against round 0's
+            params |= {"implicit_uri": policy["uri"], "implicit_model_id": policy["model_id"],
+                       "reference_uri": committed_model(store, exp, 0)["uri"]}
     return StageSpec(
         experiment=exp, round=round, stage=stage, attempt=attempt, out_dir=str(out_dir),
         seed=derive_seed(cfg.seed, round, stage), config=cfg.to_dict(), config_hash=cfg.config_hash(),

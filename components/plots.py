@@ -57,9 +57,14 @@ def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path
     ax.legend(fontsize=8)
     sampled = [v / 1000 for v in col("generated_tokens")]
     axes[1].bar(rounds, sampled, color="tab:blue", label="sampling")
-    if any(r.get("mc_tokens") for r in rows):
-        axes[1].bar(rounds, [v / 1000 for v in col("mc_tokens")], bottom=sampled, color="tab:orange",
-                    label="Monte Carlo rollouts")
+    bottom = sampled
+    for key, color, label in (("search_tokens", "tab:purple", "discarded step draws (PRM-guided search)"),
+                              ("mc_tokens", "tab:orange", "Monte Carlo rollouts")):
+        if any(r.get(key) for r in rows):
+            part = [(r.get(key) or 0) / 1000 for r in rows]
+            axes[1].bar(rounds, part, bottom=bottom, color=color, label=label)
+            bottom = [a + b for a, b in zip(bottom, part)]
+    if bottom is not sampled:
         axes[1].legend(fontsize=8)
     axes[1].set_ylabel("generated tokens (thousands)")
     axes[2].bar(rounds, col("selected"), color="tab:green")

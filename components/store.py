@@ -195,6 +195,10 @@ WITH gen AS (
     -- Monte Carlo rollouts are generation too: the score stage's tokens count in the round's budget.
     SELECT experiment_id, round, sum(TRY_CAST(json_extract(metrics_json, '$.mc_generated_tokens') AS DOUBLE))::BIGINT AS mc_tokens
     FROM stage_runs WHERE stage = 'score' AND status = 'committed' GROUP BY ALL
+), srch AS (
+    -- So are the step draws a PRM-guided search discarded (generate.search).
+    SELECT experiment_id, round, sum(TRY_CAST(json_extract(metrics_json, '$.search_discarded_tokens') AS DOUBLE))::BIGINT AS search_tokens
+    FROM stage_runs WHERE stage = 'generate' AND status = 'committed' GROUP BY ALL
 ), ev AS (
     SELECT experiment_id, round,
            max(value) FILTER (WHERE metric = 'greedy_acc' AND level = -1) AS greedy_acc,
@@ -211,8 +215,8 @@ WITH gen AS (
 )
 SELECT ev.experiment_id, ev.round, p.levels_json AS curriculum_levels,
        coalesce(gen.generated, 0) AS generated, coalesce(gen.generated_tokens, 0) AS generated_tokens,
-       coalesce(mc.mc_tokens, 0) AS mc_tokens,
-       coalesce(gen.generated_tokens, 0) + coalesce(mc.mc_tokens, 0) AS budget_tokens,
+       coalesce(mc.mc_tokens, 0) AS mc_tokens, coalesce(srch.search_tokens, 0) AS search_tokens,
+       coalesce(gen.generated_tokens, 0) + coalesce(mc.mc_tokens, 0) + coalesce(srch.search_tokens, 0) AS budget_tokens,
        ver.train_pass_rate, coalesce(sel.selected, 0) AS selected, coalesce(sel.dpo_pairs, 0) AS dpo_pairs,
        ev.greedy_acc, ev.maj_acc, lv.greedy_acc_by_level, ev.prm_step_f1, ev.processbench_f1
 FROM ev
@@ -220,6 +224,7 @@ LEFT JOIN gen USING (experiment_id, round)
 LEFT JOIN ver USING (experiment_id, round)
 LEFT JOIN sel USING (experiment_id, round)
 LEFT JOIN mc USING (experiment_id, round)
+LEFT JOIN srch USING (experiment_id, round)
 LEFT JOIN lv USING (experiment_id, round)
 LEFT JOIN round_plans p USING (experiment_id, round)
 ORDER BY ev.experiment_id, ev.round;
@@ -232,6 +237,7 @@ SELECT t.experiment_id, t.round, t.trajectory_id, t.problem_id, t.level, t.sampl
        max(s.value) FILTER (WHERE s.scorer = 'prm' AND s.aggregate = 'last') AS last_step_score,
        max(s.value) FILTER (WHERE s.scorer = 'prm' AND s.aggregate = 'mean') AS mean_step_score,
        max(s.value) FILTER (WHERE s.scorer = 'orm') AS orm_score,
+       max(s.value) FILTER (WHERE s.scorer = 'implicit' AND s.aggregate = 'min') AS implicit_min_step_score,
        any_value(s.model_id) FILTER (WHERE s.scorer = 'prm') AS prm_model_id
 FROM trajectories t
 LEFT JOIN verifications v USING (trajectory_id)

@@ -62,17 +62,41 @@ def run_generate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     problems = _unique(problems)
     log("generate", f"{len(problems)} problems at levels {levels}, {cfg.generate.samples_per_problem} samples each")
     t0 = time.perf_counter()
+    backend = _backend(spec, spec.params["policy_uri"])
+    search, g = None, cfg.generate
+    if g.search is not None and "search_prm_uri" in spec.params:
+        from components.rewards.prm import PRMScorer
+        from components.search import prm_step_search
+
+        scorer = PRMScorer(spec.params["search_prm_uri"])
+        log("generate", f"PRM-guided steps ({spec.params['search_prm_id']}): up to {g.search.max_tries} draws "
+                        f"per step, keep at P(good) >= {g.search.threshold}")
+
+        def search(prompts, n, temperature, top_p, max_new_tokens, seed, stop=None):
+            out, stats = prm_step_search(domain, backend, scorer.score_steps, prompts, n=n,
+                                         max_tries=g.search.max_tries, threshold=g.search.threshold,
+                                         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                         seed=seed, max_steps=g.search.max_steps,
+                                         progress=lambda msg: log("generate", msg))
+            search_stats.update(stats)
+            return out
+    search_stats: dict[str, float] = {}
     batch = generate(
-        domain, _backend(spec, spec.params["policy_uri"]), problems, experiment=spec.experiment, round=spec.round,
-        purpose="train", policy_model_id=spec.params["policy_model_id"], n=cfg.generate.samples_per_problem,
-        temperature=cfg.generate.temperature, top_p=cfg.generate.top_p,
-        max_new_tokens=cfg.generate.max_new_tokens, seed=spec.seed,
+        domain, backend, problems, experiment=spec.experiment, round=spec.round,
+        purpose="train", policy_model_id=spec.params["policy_model_id"], n=g.samples_per_problem,
+        temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, seed=spec.seed, sample=search,
     )
     dt = time.perf_counter() - t0
     _write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps)
     log("generate", f"{len(batch.trajectories)} trajectories, {batch.num_tokens} tokens in {dt:.1f}s")
-    return {"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
-            "tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
+    metrics = {"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
+               "tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
+    if search_stats:
+        # Discarded step draws are generation too: v_round_summary counts them in the round's budget.
+        metrics |= {f"search_{k}": float(v) for k, v in search_stats.items()}
+        log("generate", f"search: {search_stats['redraws']} redrawn steps, {search_stats['discarded_tokens']} "
+                        f"discarded tokens, {search_stats['accepted_below_threshold']} steps kept below threshold")
+    return metrics
 
 
 def run_verify(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
@@ -109,11 +133,21 @@ def _problems(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reward_model_scores(role: str, uri: str, model_id: str, trajs: list[dict[str, Any]],
-                        steps: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """`scores` rows of a PRM (every step, plus min/last/mean) or an ORM (the whole trajectory)."""
+                        steps: dict[str, list[str]], reference_uri: str | None = None,
+                        beta: float = 0.05) -> list[dict[str, Any]]:
+    """`scores` rows of a PRM or the implicit PRM (every step, plus min/last/mean) or an ORM (the
+    whole trajectory). The implicit PRM is the policy at `uri` against the one at `reference_uri`."""
     from components.scoring import step_score_rows, trajectory_score_rows
 
     tids = [t["trajectory_id"] for t in trajs]
+    if role == "implicit":
+        from components.rewards.implicit import implicit_step_rewards
+
+        if reference_uri is None:
+            raise ValueError("reward_model_scores: the implicit PRM needs a reference model")
+        values = implicit_step_rewards(uri, reference_uri, [t["prompt"] for t in trajs], [steps.get(t, []) for t in tids],
+                                       beta=beta)
+        return step_score_rows(tids, values, "implicit", model_id)
     if role == "prm":
         from components.rewards.prm import PRMScorer
 
@@ -126,7 +160,7 @@ def reward_model_scores(role: str, uri: str, model_id: str, trajs: list[dict[str
 
 
 def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.labeling import mc_step_labels, oracle_labels
+    from components.labeling import mc_first_error_labels, mc_step_labels, oracle_labels
     from components.scoring import choose_for_mc, outcome_scores
 
     cfg, domain = spec.cfg(), _domain(spec)
@@ -143,11 +177,17 @@ def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
              for t in trajs]
     if sc.mc_rollouts:
         correct = {v["trajectory_id"]: v["correct"] for v in vers}
-        chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, spec.seed))
+        if sc.mc_strategy == "first_error":  # a right answer labels itself for free: the cap is on wrong ones
+            chosen = {t for t, ok in correct.items() if ok} | set(choose_for_mc(
+                [t for t in trajs if not correct.get(t["trajectory_id"])], correct, sc.mc_max_trajectories, spec.seed))
+        else:
+            chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, spec.seed))
         todo = [it for it in items if it["trajectory_id"] in chosen]
-        log("score", f"Monte Carlo labels: {len(todo)} trajectories, k={sc.mc_rollouts} rollouts per step prefix")
+        log("score", f"Monte Carlo labels ({sc.mc_strategy}): {len(todo)} trajectories, k={sc.mc_rollouts} rollouts "
+                     "per step prefix")
         t0 = time.perf_counter()
-        mc, stats = mc_step_labels(domain, _backend(spec, spec.params["policy_uri"]), todo, k=sc.mc_rollouts,
+        label_fn = mc_first_error_labels if sc.mc_strategy == "first_error" else mc_step_labels
+        mc, stats = label_fn(domain, _backend(spec, spec.params["policy_uri"]), todo, k=sc.mc_rollouts,
                                    temperature=sc.mc_temperature,
                                    max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
         labels += mc
@@ -160,7 +200,8 @@ def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics["oracle_labelled_steps"] = len(oracle)
     if "reward_model_uri" in spec.params:
         rm_rows = reward_model_scores(cfg.score.reward_model, spec.params["reward_model_uri"],
-                                      spec.params["reward_model_id"], trajs, steps)
+                                      spec.params["reward_model_id"], trajs, steps,
+                                      reference_uri=spec.params.get("reference_uri"), beta=sc.implicit_beta)
         rows += rm_rows
         mins = [r["value"] for r in rm_rows if r["aggregate"] in ("min", "outcome") and r["step_index"] == -1]
         metrics["rm_mean_score"] = sum(mins) / max(len(mins), 1)
@@ -223,8 +264,8 @@ def _ranking_scores(spec: StageSpec, aggregate: str) -> tuple[dict[str, float], 
     """What ranks trajectories: the reward model's aggregate where the score stage has one, else the
     mean Monte Carlo value of the steps (round 1 of coevo), else the verifier outcome."""
     scores = spec.rows("score", "scores")
-    for scorer in ("prm", "orm"):
-        agg = aggregate if scorer == "prm" else "outcome"
+    for scorer in ("prm", "implicit", "orm"):
+        agg = "outcome" if scorer == "orm" else aggregate
         got = {s["trajectory_id"]: s["value"] for s in scores
                if s["scorer"] == scorer and s["step_index"] == -1 and s["aggregate"] == agg}
         if got:
@@ -274,11 +315,23 @@ def run_train_reward(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
     if not examples:
         raise RuntimeError(f"{spec.stage_run_id}: no Monte Carlo step labels in rounds {rounds}; "
                            "is score.mc_rollouts > 0?")
+    n_demos = 0
+    if tr.demos:  # gold solutions: every step good
+        domain, seen = _domain(spec), {(e["prompt"], tuple(e["completions"])) for e in examples}
+        for tid, t in sorted(_selected(spec, 0).items()):
+            steps = domain.split_steps(t["completion"])
+            if steps and (t["prompt"], tuple(steps)) not in seen:
+                seen.add((t["prompt"], tuple(steps)))
+                examples.append({"prompt": t["prompt"], "completions": steps, "labels": [True] * len(steps),
+                                 "trajectory_id": tid})
+                labelled_round[tid] = 0
+                n_demos += 1
     n_steps = sum(len(e["labels"]) for e in examples)
     n_good = sum(sum(e["labels"]) for e in examples)
     init = spec.params.get("init_prm_uri")
+    demo_note = f", {n_demos} of them round-0 demonstrations" if n_demos else ""
     log("train_reward", f"PRM on {len(examples)} trajectories ({n_steps} labelled steps, {n_good / n_steps:.0%} good) "
-                        f"from rounds {rounds}; init {'previous PRM' if init else 'policy backbone'}")
+                        f"from rounds {rounds}{demo_note}; init {'previous PRM' if init else 'policy backbone'}")
     model_dir = out.artifact_dir("prm")
     prm_metrics = train_prm(spec.params["policy_uri"], examples, str(model_dir),
                             PRMParams(max_steps=tr.steps, batch_size=tr.batch_size, learning_rate=tr.learning_rate,
@@ -288,7 +341,7 @@ def run_train_reward(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
     models = [_model_row(spec, "prm", model_dir, "prm", spec.params.get("parent_model_id"), len(examples))]
     inputs = [_model_input(spec, "prm", e["trajectory_id"], labelled_round[e["trajectory_id"]]) for e in examples]
     metrics = {f"prm_{k}": v for k, v in prm_metrics.items() if isinstance(v, (int, float))}
-    metrics |= {"label_good_fraction": n_good / n_steps, "consensus_dropped":
+    metrics |= {"label_good_fraction": n_good / n_steps, "demo_examples": n_demos, "consensus_dropped":
                 sum(1 for d in decisions if d["reason"].startswith("consensus"))}
     if tr.orm:
         from components.rewards.orm import ORMParams, train_orm
@@ -484,7 +537,7 @@ def run_evaluate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     e = cfg.evaluate
     levels = e.levels or domain.levels()
     problems = [p for level in levels for p in domain.test_set(level)[: e.problems_per_level]]
-    has_rm = "prm_uri" in spec.params or "orm_uri" in spec.params
+    has_rm = any(f"{role}_uri" in spec.params for role in ("prm", "orm", "implicit"))
     best_of_n = e.best_of_n if has_rm else []
     n_samples = max([e.maj_k, *best_of_n])
     log("evaluate", f"{len(problems)} held-out problems at levels {levels}: greedy + {n_samples} samples"
@@ -504,23 +557,27 @@ def run_evaluate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         oracle: dict[str, list[bool]] = {}
         for r in oracle_rows:
             oracle.setdefault(r["trajectory_id"], []).append(r["value"] == 1.0)
-        score_rows, prm_steps, orm = [], None, None
-        for role in ("prm", "orm"):
+        score_rows, prm_steps, orm, implicit = [], None, None, None
+        for role in ("prm", "orm", "implicit"):
             if f"{role}_uri" in spec.params:
                 got = reward_model_scores(role, spec.params[f"{role}_uri"], spec.params[f"{role}_model_id"],
-                                          batch.trajectories, steps)
+                                          batch.trajectories, steps, reference_uri=spec.params.get("reference_uri"),
+                                          beta=cfg.score.implicit_beta)
                 score_rows += got
                 if role == "prm":
                     prm_steps = {t["trajectory_id"]: [] for t in batch.trajectories}
                     for r in got:
                         if r["aggregate"] == "step":
                             prm_steps[r["trajectory_id"]].append(r["value"])
-                else:
+                elif role == "orm":
                     orm = {r["trajectory_id"]: r["value"] for r in got}
+                else:  # the weakest step ranks, as for the PRM
+                    implicit = {r["trajectory_id"]: r["value"] for r in got if r["aggregate"] == "min"}
         have = {(r["level"], r["metric"]) for r in rows}  # maj@N and pass@N for N = maj_k are already there
         rows += [r for r in reward_metrics(batch.trajectories, correct, best_of_n=best_of_n, experiment=spec.experiment,
                                round=spec.round, model_id=spec.params["policy_model_id"], prm_steps=prm_steps,
-                               orm_scores=orm, oracle=oracle, steps=steps) if (r["level"], r["metric"]) not in have]
+                               orm_scores=orm, implicit_scores=implicit, oracle=oracle, steps=steps)
+                 if (r["level"], r["metric"]) not in have]
         tables = {"scores": score_rows, "step_labels": oracle_rows}
     _write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
            verifications=vers, evaluations=rows, **tables)
@@ -532,7 +589,7 @@ def run_evaluate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                              if r["metric"] == "greedy_acc" and r["level"] >= 0))
     if has_rm:
         log("evaluate", " ".join(f"{k}={metrics[k]:.3f}" for k in sorted(metrics)
-                                 if k.startswith(("prm_bon", "maj_at", "prm_step_f1", "processbench")) and "_L" not in k))
+                                 if k.startswith(("prm_bon", "orm_bon", "implicit_bon", "maj_at", "prm_step_f1", "processbench")) and "_L" not in k))
     return metrics
 
 

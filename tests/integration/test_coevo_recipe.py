@@ -41,22 +41,61 @@ def test_rounds_run_train_reward_between_score_and_filter(coevo_run):
 
 
 def test_step_labels_come_from_rollouts_and_the_oracle(coevo_run):
+    import math
+
     cfg, store = coevo_run
+    assert cfg.score.mc_strategy == "first_error"
     rows = dict(((r, s), (n, k)) for r, s, n, k in store.query(
         "SELECT t.round, l.source, count(*), max(l.num_rollouts) FROM step_labels l JOIN trajectories t "
         "USING (trajectory_id) WHERE t.experiment_id=? AND t.purpose='train' GROUP BY ALL", [cfg.experiment])[1])
     for r in (1, 2):
-        assert rows[(r, "mc_hard")][0] == rows[(r, "mc_soft")][0] > 0
+        assert (r, "mc_soft") not in rows and rows[(r, "mc_hard")][0] > 0   # hard labels only
         assert rows[(r, "mc_hard")][1] == cfg.score.mc_rollouts
         assert rows[(r, "oracle")][0] >= rows[(r, "mc_hard")][0]
-    # At most mc_max_trajectories distinct texts were rolled out per round; their tokens count in the budget.
-    distinct = store.query(
-        "SELECT t.round, count(DISTINCT (t.problem_id, t.completion)) FROM step_labels l JOIN trajectories t "
-        "USING (trajectory_id) WHERE l.source='mc_hard' AND t.experiment_id=? GROUP BY 1", [cfg.experiment])[1]
-    assert all(n <= cfg.score.mc_max_trajectories for _, n in distinct)
-    budget = store.query("SELECT round, generated_tokens, mc_tokens, budget_tokens FROM v_round_summary "
+    labelled = store.rows(
+        "SELECT t.round, t.trajectory_id, t.problem_id, t.completion, v.correct, "
+        "list(l.value ORDER BY l.step_index) AS hard, list(l.num_rollouts ORDER BY l.step_index) AS k "
+        "FROM step_labels l JOIN trajectories t USING (trajectory_id) JOIN verifications v USING (trajectory_id) "
+        "WHERE t.experiment_id=? AND l.source='mc_hard' GROUP BY ALL", [cfg.experiment])
+    right = [x for x in labelled if x["correct"]]
+    wrong = [x for x in labelled if not x["correct"]]
+    # Every right answer is labelled, by itself: all steps good, no rollout.
+    n_right = _one(store, "SELECT count(*) FROM trajectories t JOIN verifications v USING (trajectory_id) "
+                          "WHERE t.experiment_id=? AND t.purpose='train' AND v.correct", [cfg.experiment])
+    assert len(right) == n_right and all(set(x["hard"]) == {1.0} and set(x["k"]) == {0} for x in right)
+    # A wrong one: good steps, then bad ones from its first dead prefix on; a binary search's rollouts.
+    assert wrong
+    for x in wrong:
+        first_bad = x["hard"].index(0.0)
+        assert x["hard"] == [1.0] * first_bad + [0.0] * (len(x["hard"]) - first_bad)
+        assert sum(1 for k in x["k"] if k) <= math.ceil(math.log2(len(x["hard"])))
+    # At most mc_max_trajectories distinct wrong texts were searched per round; their tokens count in the budget.
+    for r in (1, 2):
+        assert len({(x["problem_id"], x["completion"]) for x in wrong if x["round"] == r}) <= cfg.score.mc_max_trajectories
+    budget = store.query("SELECT round, generated_tokens, mc_tokens, search_tokens, budget_tokens FROM v_round_summary "
                          "WHERE experiment_id=? AND round > 0 ORDER BY 1", [cfg.experiment])[1]
-    assert all(mc > 0 and b == g + mc for _, g, mc, b in budget)
+    assert all(mc > 0 and b == g + mc + s for _, g, mc, s, b in budget)
+
+
+def test_round_two_samples_step_by_step_guided_by_round_ones_prm(coevo_run):
+    cfg, store = coevo_run
+    import json
+
+    metrics = {r: json.loads(m) for r, m in store.query(
+        "SELECT round, metrics_json FROM stage_runs WHERE experiment_id=? AND stage='generate' "
+        "AND status='committed'", [cfg.experiment])[1]}
+    assert "search_draws" not in metrics[1]  # no PRM before round 1's train_reward: plain sampling
+    m = metrics[2]
+    assert m["search_draws"] >= m["search_steps"] > 0 and m["search_redraws"] == m["search_draws"] - m["search_steps"]
+    # The discarded draws are in the budget, on top of the kept tokens that the trajectories hold.
+    kept, search = store.query("SELECT generated_tokens, search_tokens FROM v_round_summary WHERE experiment_id=? "
+                               "AND round=2", [cfg.experiment])[1][0]
+    assert kept == m["search_accepted_tokens"] and search == m["search_discarded_tokens"]
+    assert (search > 0) == (m["search_redraws"] > 0)
+    # Every guided sample is whole lines, the form plain sampling gives.
+    completions = [c for (c,) in store.query("SELECT completion FROM trajectories WHERE experiment_id=? AND round=2 "
+                                             "AND purpose='train'", [cfg.experiment])[1]]
+    assert completions and all(not c or (c.endswith("\n") and "\n\n" not in c) for c in completions)
 
 
 def test_each_round_trains_a_prm_and_round_two_is_scored_by_round_ones(coevo_run):
@@ -80,6 +119,13 @@ def test_each_round_trains_a_prm_and_round_two_is_scored_by_round_ones(coevo_run
     uses = dict(store.query("SELECT use, count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/prm/r2' "
                             "AND selection_reason IS NOT NULL GROUP BY 1")[1])
     assert uses["new"] > 0 and uses["replay"] > 0
+    # train_reward.demos: the round-0 gold solutions train each PRM too, every one of them at most once.
+    demos = dict(store.query(
+        "SELECT mi.model_id, count(*) FROM model_inputs mi JOIN trajectories t USING (trajectory_id) "
+        "WHERE t.experiment_id=? AND t.purpose='demo' AND mi.source_round=0 GROUP BY 1", [cfg.experiment])[1])
+    n_demos = _one(store, "SELECT count(DISTINCT (prompt, completion)) FROM trajectories WHERE experiment_id=? "
+                          "AND purpose='demo'", [cfg.experiment])
+    assert 0 < demos["micro-coevo/prm/r1"] <= n_demos and 0 < demos["micro-coevo/prm/r2"] <= n_demos
 
 
 def test_selections_rank_by_prm_and_pair_for_dpo(coevo_run):

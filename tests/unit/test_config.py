@@ -55,10 +55,19 @@ def test_incompatible_settings_say_what_to_change():
     ({"evaluate": {"best_of_n": [4]}}, "best_of_n=\\[\\]"),
     ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4, "reward_model": "orm"}},
      "set train_reward.orm=true"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True, "label_source": "mc_soft"},
+      "score": {"mc_rollouts": 4, "mc_strategy": "first_error"}}, "set train_reward.label_source=mc_hard"),
+    ({"generate": {"search": {"max_tries": 2}}}, "generate.search is guided by the previous round's PRM"),
+    ({"generate": {"search": {"max_tries": 0}}}, "generate.search.max_tries"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):
         load_config_dict({"experiment": "x", **data})
+
+
+def test_the_implicit_prm_needs_no_reward_model_training():
+    cfg = load_config_dict({"experiment": "x", "score": {"reward_model": "implicit"}, "evaluate": {"best_of_n": [4]}})
+    assert cfg.recipe == "rft" and not cfg.train_reward.enabled and cfg.score.implicit_beta == 0.05
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):

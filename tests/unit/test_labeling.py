@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from components.domains.arith import ArithDomain
 from components.domains.base import Problem
-from components.labeling import mc_step_labels, mc_value, oracle_labels
+from components.labeling import mc_first_error_labels, mc_step_labels, mc_value, oracle_labels
 from components.models.backends import HFBackend, Sample
 from components.models.tiny import TinyLlamaConfig, create_tiny_llama
 
@@ -66,6 +66,53 @@ def test_mc_step_labels_hand_computed():
     assert len(backend.calls) == 1 and backend.calls[0][1] == 4 and len(backend.calls[0][0]) == 4
     assert stats["rollouts"] == 16 and stats["unique_prefixes"] == 4
     assert stats["generated_tokens"] == sum(len(c) for conts in script.values() for c in conts)
+
+
+def test_mc_first_error_labels_binary_search_hand_computed():
+    p = "1+2+3+1+1\n"  # five steps of work, then the answer line: 8
+    # A wrong trajectory: steps 0-1 right, step 2 wrong (3+3=7), then consistent with it.
+    wrong = "1+2=3\n3+3=6\n6+1=8\n8+1=9\n#### 9\n".replace("3+3=6\n6+1=8", "3+3=7\n7+1=8")
+    steps = ArithDomain.split_steps(wrong)  # 5 steps: the first bad one is index 1 (3+3=7)
+    prefix = lambda i: p + "".join(s + "\n" for s in steps[:i + 1])
+    script = {
+        prefix(1): ["7+1=8\n8+1=9\n#### 9\n"] * 3,           # through 3+3=7: dead (no rollout gets 8)
+        prefix(0): ["3+3=6\n6+1=7\n7+1=8\n#### 8\n", "#### 2\n", "#### 2\n"],  # alive (1 of 3)
+        prefix(2): ["#### 1\n"] * 3,
+    }
+    backend = ScriptedBackend(script)
+    right = "1+2=3\n3+3=6\n6+1=7\n7+1=8\n#### 8\n"
+    items = [_item("wrong", wrong, p, "8"), _item("right", right, p, "8"), _item("one-step", "#### 3\n", p, "8")]
+    rows, stats = mc_first_error_labels(ArithDomain(), backend, items, k=3, temperature=0.8, max_new_tokens=16,
+                                        seed=0)
+    hard = _by(rows, "mc_hard")
+    assert not _by(rows, "mc_soft")  # hard labels only
+    # Search over [0, 4]: mid 2 dead -> [0, 2]; mid 1 dead -> [0, 1]; mid 0 alive -> first bad step 1.
+    assert [hard[("wrong", i)] for i in range(5)] == [(1.0, 3), (0.0, 3), (0.0, 3), (0.0, 0), (0.0, 0)]
+    assert [c[0] for c in backend.calls] == [[prefix(2)], [prefix(1)], [prefix(0)]]
+    # A right answer is its own witness: every step good, with no rollout; a wrong one-step answer is bad.
+    assert [hard[("right", i)] for i in range(5)] == [(1.0, 0)] * 5
+    assert hard[("one-step", 0)] == (0.0, 0)
+    assert stats["rollouts"] == 9 and stats["unique_prefixes"] == 3 and stats["search_levels"] == 3
+    assert stats["generated_tokens"] == sum(len(c) for conts in script.values() for c in conts)
+
+
+def test_mc_first_error_labels_roll_a_shared_prefix_out_once():
+    p = "1+2+3+1+1\n"
+    a = "1+2=3\n3+3=7\n7+1=8\n8+1=9\n#### 9\n"  # 5 steps: probes prefix 2, then 1, then 0
+    b = "1+2=3\n3+3=7\n#### 7\n"                  # 3 steps: probes prefix 1 (shared with a), then 0
+    steps = ArithDomain.split_steps(a)
+    prefix = lambda i: p + "".join(s + "\n" for s in steps[:i + 1])
+    backend = ScriptedBackend({prefix(2): ["#### 1\n"] * 2, prefix(1): ["#### 1\n"] * 2,
+                               prefix(0): ["3+3=6\n6+1=7\n7+1=8\n#### 8\n"] * 2})
+    items = [_item("a", a, p, "8"), _item("b", b, p, "8")]
+    rows, stats = mc_first_error_labels(ArithDomain(), backend, items, k=2, temperature=0.8, max_new_tokens=16,
+                                        seed=0)
+    hard = _by(rows, "mc_hard")
+    assert [hard[("b", i)][0] for i in range(3)] == [1.0, 0.0, 0.0]
+    assert [hard[("a", i)][0] for i in range(5)] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # Level 1: prefixes 2 (a) and 1 (b); level 2: prefix 1 (a) is known, prefix 0 (b) is new; level 3: nothing new.
+    assert [sorted(c[0]) for c in backend.calls] == [sorted([prefix(2), prefix(1)]), [prefix(0)]]
+    assert stats["unique_prefixes"] == 3 and stats["search_levels"] == 3
 
 
 def test_mc_step_labels_with_the_hf_backend(tmp_path):
