@@ -43,6 +43,21 @@ def _rows(tid: str, i: int, soft: float, hard: float, n: int) -> list[dict[str, 
             {"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": hard, "num_rollouts": n}]
 
 
+def _rollout_values(domain: Domain, backend: GenerationBackend, slots: list[tuple[str, str, str]], k: int,
+                    temperature: float, max_new_tokens: int, seed: int) -> tuple[list[tuple[float, float]], int]:
+    """(soft, hard) value of each (prompt, steps so far, reference) slot from k verified rollouts, all
+    in ONE `generate` call, and the tokens the rollouts generated."""
+    if not slots:
+        return [], 0
+    samples = backend.generate([p + done for p, done, _ in slots], n=k, temperature=temperature, top_p=1.0,
+                               max_new_tokens=max_new_tokens, seed=seed)
+    # Verify the solution text (steps so far + continuation), not the prompt: the prompt holds numbers too.
+    outcomes = domain.verify([done + s.text for (_, done, _), per in zip(slots, samples) for s in per],
+                             [ref for (_, _, ref) in slots for _ in range(k)])
+    values = [mc_value(outcomes[j * k:(j + 1) * k]) for j in range(len(slots))]
+    return values, sum(s.num_tokens for per in samples for s in per)
+
+
 def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[str, Any]], k: int, temperature: float,
                    max_new_tokens: int, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`mc_soft` and `mc_hard` rows for every step of every item, and rollout stats.
@@ -60,13 +75,7 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
     for it in items:
         for i in range(len(it["steps"]) - 1):
             slots.setdefault((it["prompt"], _text(it["steps"][:i + 1]), it["answer_ref"]), len(slots))
-    samples = backend.generate([p + done for p, done, _ in slots], n=k, temperature=temperature, top_p=1.0,
-                               max_new_tokens=max_new_tokens, seed=seed) if slots else []
-    # Verify the solution text (steps so far + continuation), not the prompt: the prompt holds numbers too.
-    texts = [done + s.text for (_, done, _), per in zip(slots, samples) for s in per]
-    refs = [ref for (_, _, ref) in slots for _ in range(k)]
-    outcomes = domain.verify(texts, refs) if texts else []
-    values = [mc_value(outcomes[j * k:(j + 1) * k]) for j in range(len(slots))]
+    values, tokens = _rollout_values(domain, backend, list(slots), k, temperature, max_new_tokens, seed)
     finals = domain.verify([_text(it["steps"]) for it in items], [it["answer_ref"] for it in items]) if items else []
 
     rows: list[dict[str, Any]] = []
@@ -78,7 +87,7 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
         rows += _rows(tid, len(steps) - 1, float(final or 0.0), float(final or 0.0), 0)
     stats = {
         "trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": len(slots),
-        "rollouts": len(slots) * k, "generated_tokens": sum(s.num_tokens for per in samples for s in per),
+        "rollouts": len(slots) * k, "generated_tokens": tokens,
     }
     return rows, stats
 
@@ -115,16 +124,12 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
         mids = {j: (lo + hi) // 2 for j, (lo, hi) in bounds.items() if lo < hi}
         keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1]), items[j]["answer_ref"]) for j, m in mids.items()}
         todo = sorted({key for key in keys.values() if key not in value})  # empty when all were rolled out
-        samples = backend.generate([p + done for p, done, _ in todo], n=k, temperature=temperature, top_p=1.0,
-                                   max_new_tokens=max_new_tokens,
-                                   seed=derive_seed(seed, stats["search_levels"])) if todo else []
-        outcomes = domain.verify([done + s.text for (_, done, _), per in zip(todo, samples) for s in per],
-                                 [ref for (_, _, ref) in todo for _ in range(k)]) if todo else []
-        for i, key in enumerate(todo):
-            value[key] = mc_value(outcomes[i * k:(i + 1) * k])[1]
+        values, tokens = _rollout_values(domain, backend, todo, k, temperature, max_new_tokens,
+                                         derive_seed(seed, stats["search_levels"]))
+        value |= {key: hard for key, (_, hard) in zip(todo, values)}
         stats["unique_prefixes"] += len(todo)
         stats["rollouts"] += len(todo) * k
-        stats["generated_tokens"] += sum(s.num_tokens for per in samples for s in per)
+        stats["generated_tokens"] += tokens
         stats["search_levels"] += 1
         for j, m in mids.items():
             rolled.add((items[j]["trajectory_id"], m))
