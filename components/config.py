@@ -103,12 +103,21 @@ class ScoreConfig(_Section):
         0, ge=0, description="k completions per step prefix, verified (Math-Shepherd); 0 = no Monte Carlo labels.")
     mc_max_trajectories: int | None = Field(
         None, ge=1, description="Label at most this many distinct trajectories per round (a seeded sample, half "
-                                "correct and half incorrect where possible): rollouts cost k tokens per step.")
+                                "correct and half incorrect where possible): rollouts cost k tokens per step. "
+                                "With first_error it caps the wrong trajectories searched; the free labels are "
+                                "not capped.")
     mc_strategy: Literal["every_prefix", "first_error"] = Field(
         "every_prefix", description="every_prefix: k rollouts from every step prefix, soft and hard labels "
                                     "(Math-Shepherd). first_error: hard labels only; a right answer labels its own "
                                     "steps good, and a binary search rolls out O(log n) prefixes of each wrong one "
-                                    "to find its first dead step (OmegaPRM).")
+                                    "to find its first dead step (OmegaPRM). The search needs an alive root: a "
+                                    "wrong answer to a problem no sample of the round solved is not searched, "
+                                    "and only its final step is labelled (bad).")
+    mc_search_unsolved: bool = Field(
+        False, description="first_error: search wrong answers to problems no sample of the round solved too. "
+                           "Their dead prefixes mark where the policy can no longer finish, often before the "
+                           "error (on the arith benchmark 29-46% of the steps so labelled bad were right), at "
+                           "the cost of rollouts; off, only their final step is labelled.")
     mc_temperature: float = Field(0.8, ge=0.0)
     mc_max_new_tokens: int | None = Field(None, ge=1, description="Null: generate.max_new_tokens.")
     oracle_labels: bool = Field(
@@ -285,6 +294,9 @@ class ExperimentConfig(_Section):
         if self.score.mc_strategy == "first_error" and self.train_reward.label_source != "mc_hard":
             raise ValueError("score.mc_strategy='first_error' gives hard labels only: set "
                              "train_reward.label_source=mc_hard, or score.mc_strategy=every_prefix")
+        if self.score.mc_search_unsolved and self.score.mc_strategy != "first_error":
+            raise ValueError("score.mc_search_unsolved applies to first_error labels (every_prefix rolls out every "
+                             "prefix anyway): set score.mc_strategy=first_error, or mc_search_unsolved=false")
         if self.generate.search is not None and not self.train_reward.enabled:
             raise ValueError("generate.search is guided by the previous round's PRM: set train_reward.enabled=true "
                              "(recipe coevo), or generate.search=null")

@@ -109,17 +109,27 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
     The search runs level by level: each level rolls out (k each) the middle prefix of every wrong
     trajectory still open, in ONE `generate` call, sharing identical prefixes as `mc_step_labels`
     does. Rows carry the rollouts behind them: k where the prefix was rolled out, 0 where inferred.
+
+    The search assumes the empty prefix, the problem itself, is alive. OmegaPRM searches only
+    questions some rollout solved; here an item's `root_alive` (default True) says whether any of the
+    round's samples of its problem is right. Where none is, a dead prefix says nothing about where the
+    error is: the policy fails the problem from the start (measured on the arith benchmark: 29-46% of
+    the steps such a search called bad were right, against 4-14% where the problem was alive). Such a
+    wrong trajectory is not searched, and only its final step, whose value is its verified outcome, is
+    labelled (0, with 0 rollouts); its other steps get no row.
     """
     if k < 1:
         raise ValueError(f"mc_first_error_labels: k must be >= 1, got {k}")
     items = [it for it in items if it["answer_ref"] is not None and it["steps"]]
     finals = domain.verify([_text(it["steps"]) for it in items], [it["answer_ref"] for it in items]) if items else []
     # bounds[j] = [lo, hi]: the first bad step of item j lies in [lo, hi]; the final step of a wrong one is bad.
-    bounds = {j: [0, len(it["steps"]) - 1] for j, (it, ok) in enumerate(zip(items, finals)) if not ok}
+    dead_root = {j for j, (it, ok) in enumerate(zip(items, finals)) if not ok and not it.get("root_alive", True)}
+    bounds = {j: [0, len(it["steps"]) - 1] for j, (it, ok) in enumerate(zip(items, finals))
+              if not ok and j not in dead_root}
     value: dict[tuple[str, str, str], float] = {}  # (prompt, steps so far, reference) -> hard value
     rolled: set[tuple[str, int]] = set()          # (trajectory, step) whose prefix was rolled out
     stats = {"trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": 0,
-             "rollouts": 0, "generated_tokens": 0, "search_levels": 0}
+             "rollouts": 0, "generated_tokens": 0, "search_levels": 0, "dead_root": len(dead_root)}
     while any(lo < hi for lo, hi in bounds.values()):
         mids = {j: (lo + hi) // 2 for j, (lo, hi) in bounds.items() if lo < hi}
         keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1]), items[j]["answer_ref"]) for j, m in mids.items()}
@@ -140,6 +150,10 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
     rows: list[dict[str, Any]] = []
     for j, it in enumerate(items):
         tid, first_bad = it["trajectory_id"], bounds[j][0] if j in bounds else len(it["steps"])
+        if j in dead_root:
+            rows.append({"trajectory_id": tid, "step_index": len(it["steps"]) - 1, "source": "mc_hard",
+                         "value": 0.0, "num_rollouts": 0})
+            continue
         rows += [{"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": float(i < first_bad),
                   "num_rollouts": k if (tid, i) in rolled else 0} for i in range(len(it["steps"]))]
     return rows, stats
@@ -176,10 +190,12 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
     """PRM training examples from Monte Carlo labels, and a keep/drop decision per trajectory.
 
     `items`: {"trajectory_id", "prompt", "steps"}; `labels[tid][step][source]` the stored values.
-    A trajectory is used when every step has a `source` label. Identical (prompt, steps) texts give
-    one example. With `consensus`, a trajectory the previous PRM scored is kept only when both put
-    its first error at the same step (consensus filtering, Zhang et al. 2025, "The Lessons of
-    Developing Process Reward Models", https://arxiv.org/abs/2501.07301); unscored ones are kept.
+    A trajectory is used when any step has a `source` label; a step without one is None in `labels`
+    and trains nothing (first_error labels only the final step of a wrong answer to a problem the
+    round never solved). Identical (prompt, steps) texts give one example. With `consensus`, a fully
+    labelled trajectory the previous PRM scored is kept only when both put its first error at the
+    same step (consensus filtering, Zhang et al. 2025, "The Lessons of Developing Process Reward
+    Models", https://arxiv.org/abs/2501.07301); unscored and partly labelled ones are kept.
 
     >>> items = [{"trajectory_id": "a", "prompt": "p", "steps": ["x", "y"]},
     ...          {"trajectory_id": "b", "prompt": "q", "steps": ["x", "z"]}]
@@ -195,12 +211,13 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
     for it in items:
         tid, per_step = it["trajectory_id"], labels.get(it["trajectory_id"], {})
         values = [per_step.get(i, {}).get(source) for i in range(len(it["steps"]))]
-        if not it["steps"] or any(v is None for v in values):
+        if all(v is None for v in values):
             continue
-        ok = [v >= threshold for v in values]
-        reason, keep = "mc labels", True
+        ok = [None if v is None else v >= threshold for v in values]
+        partial = None in ok
+        reason, keep = "mc labels (final step only)" if partial else "mc labels", True
         prior = (prior_scores or {}).get(tid)
-        if consensus and prior is not None:
+        if consensus and prior is not None and not partial:
             mc_err, prm_err = first_error(ok), first_error([s >= 0.5 for s in prior])
             if mc_err != prm_err:
                 reason, keep = f"consensus: mc first error {mc_err}, prm {prm_err}", False

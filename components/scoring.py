@@ -71,3 +71,28 @@ def choose_for_mc(trajectories: list[dict[str, Any]], correct: dict[str, bool | 
         rng = random.Random(seed)
         keys = rng.sample(good, n_good) + rng.sample(bad, min(len(bad), max_distinct - n_good))
     return sorted(tid for k in keys for tid in texts[k])
+
+
+def plan_first_error(trajectories: list[dict[str, Any]], correct: dict[str, bool | None], max_searched: int | None,
+                     seed: int, search_unsolved: bool = False) -> tuple[set[str], set[str]]:
+    """(trajectory ids to label, problem ids whose root is alive) for `first_error` labels.
+
+    A right answer labels itself. The binary search over a wrong one needs an alive root (OmegaPRM):
+    a problem some sample of the round solved. A wrong answer to a problem none solved is labelled
+    without a search (its final step only) unless `search_unsolved`. Both are free, so
+    `max_searched` (a `choose_for_mc` sample of distinct texts) caps the searched ones alone.
+
+    >>> ts = [{"trajectory_id": t, "problem_id": p, "completion": t} for t, p in
+    ...       [("r", "p"), ("w", "p"), ("w2", "p"), ("u", "q")]]
+    >>> ok = {"r": True, "w": False, "w2": False, "u": False}
+    >>> plan_first_error(ts, ok, 1, seed=0) in [({"r", "u", "w"}, {"p"}), ({"r", "u", "w2"}, {"p"})]
+    True
+    >>> chosen, alive = plan_first_error(ts, ok, None, seed=0, search_unsolved=True)
+    >>> sorted(chosen), sorted(alive)
+    (['r', 'u', 'w', 'w2'], ['p', 'q'])
+    """
+    solved = {t["problem_id"] for t in trajectories if correct.get(t["trajectory_id"])}
+    alive = {t["problem_id"] for t in trajectories} if search_unsolved else solved
+    free = {t["trajectory_id"] for t in trajectories if correct.get(t["trajectory_id"]) or t["problem_id"] not in alive}
+    searched = choose_for_mc([t for t in trajectories if t["trajectory_id"] not in free], correct, max_searched, seed)
+    return free | set(searched), alive

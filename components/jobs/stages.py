@@ -161,7 +161,7 @@ def reward_model_scores(role: str, uri: str, model_id: str, trajs: list[dict[str
 
 def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     from components.labeling import mc_first_error_labels, mc_step_labels, oracle_labels
-    from components.scoring import choose_for_mc, outcome_scores
+    from components.scoring import choose_for_mc, outcome_scores, plan_first_error
 
     cfg, domain = spec.cfg(), _domain(spec)
     sc = cfg.score
@@ -177,9 +177,10 @@ def run_score(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
              for t in trajs]
     if sc.mc_rollouts:
         correct = {v["trajectory_id"]: v["correct"] for v in vers}
-        if sc.mc_strategy == "first_error":  # a right answer labels itself for free: the cap is on wrong ones
-            chosen = {t for t, ok in correct.items() if ok} | set(choose_for_mc(
-                [t for t in trajs if not correct.get(t["trajectory_id"])], correct, sc.mc_max_trajectories, spec.seed))
+        if sc.mc_strategy == "first_error":
+            chosen, alive = plan_first_error(trajs, correct, sc.mc_max_trajectories, spec.seed, sc.mc_search_unsolved)
+            for it in items:
+                it["root_alive"] = it["problem_id"] in alive
         else:
             chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, spec.seed))
         todo = [it for it in items if it["trajectory_id"] in chosen]
@@ -326,8 +327,8 @@ def run_train_reward(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
                                  "trajectory_id": tid})
                 labelled_round[tid] = 0
                 n_demos += 1
-    n_steps = sum(len(e["labels"]) for e in examples)
-    n_good = sum(sum(e["labels"]) for e in examples)
+    n_steps = sum(v is not None for e in examples for v in e["labels"])  # None: a step without a label
+    n_good = sum(v is True for e in examples for v in e["labels"])
     init = spec.params.get("init_prm_uri")
     demo_note = f", {n_demos} of them round-0 demonstrations" if n_demos else ""
     log("train_reward", f"PRM on {len(examples)} trajectories ({n_steps} labelled steps, {n_good / n_steps:.0%} good) "

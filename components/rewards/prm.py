@@ -66,8 +66,11 @@ def tokenize_steps(tok: Any, prompt: str, steps: list[str]) -> tuple[list[int], 
 
 
 def _label(value: Any) -> int:
+    """A step's training target: 1 good, 0 bad, -100 (ignored by the loss) for an unlabelled step (None)."""
+    if value is None:
+        return -100
     if value not in (0, 1):  # True/False pass: bool is an int
-        raise ValueError(f"PRM labels are bool, got {value!r}; threshold soft Monte Carlo labels first")
+        raise ValueError(f"PRM labels are bool or None, got {value!r}; threshold soft Monte Carlo labels first")
     return int(value)
 
 

@@ -54,24 +54,34 @@ def test_step_labels_come_from_rollouts_and_the_oracle(coevo_run):
         assert rows[(r, "oracle")][0] >= rows[(r, "mc_hard")][0]
     labelled = store.rows(
         "SELECT t.round, t.trajectory_id, t.problem_id, t.completion, v.correct, "
-        "list(l.value ORDER BY l.step_index) AS hard, list(l.num_rollouts ORDER BY l.step_index) AS k "
+        "list(l.value ORDER BY l.step_index) AS hard, list(l.num_rollouts ORDER BY l.step_index) AS k, "
+        "list(l.step_index ORDER BY l.step_index) AS idx, "
+        "(SELECT count(*) FROM steps s WHERE s.trajectory_id = t.trajectory_id) AS n_steps "
         "FROM step_labels l JOIN trajectories t USING (trajectory_id) JOIN verifications v USING (trajectory_id) "
         "WHERE t.experiment_id=? AND l.source='mc_hard' GROUP BY ALL", [cfg.experiment])
+    solved = {(r, p) for r, p in store.query(
+        "SELECT t.round, t.problem_id FROM trajectories t JOIN verifications v USING (trajectory_id) "
+        "WHERE t.experiment_id=? AND t.purpose='train' AND v.correct", [cfg.experiment])[1]}
     right = [x for x in labelled if x["correct"]]
     wrong = [x for x in labelled if not x["correct"]]
     # Every right answer is labelled, by itself: all steps good, no rollout.
     n_right = _one(store, "SELECT count(*) FROM trajectories t JOIN verifications v USING (trajectory_id) "
                           "WHERE t.experiment_id=? AND t.purpose='train' AND v.correct", [cfg.experiment])
     assert len(right) == n_right and all(set(x["hard"]) == {1.0} and set(x["k"]) == {0} for x in right)
-    # A wrong one: good steps, then bad ones from its first dead prefix on; a binary search's rollouts.
-    assert wrong
-    for x in wrong:
+    # A wrong answer to a problem the round solved: good steps, then bad ones from its first dead prefix on;
+    # a binary search's rollouts. To a problem it never solved: no search, its final step alone is bad.
+    searched = [x for x in wrong if (x["round"], x["problem_id"]) in solved]
+    unsearched = [x for x in wrong if (x["round"], x["problem_id"]) not in solved]
+    assert searched and unsearched
+    for x in searched:
         first_bad = x["hard"].index(0.0)
+        assert x["idx"] == list(range(x["n_steps"]))
         assert x["hard"] == [1.0] * first_bad + [0.0] * (len(x["hard"]) - first_bad)
         assert sum(1 for k in x["k"] if k) <= math.ceil(math.log2(len(x["hard"])))
+    assert all(x["hard"] == [0.0] and x["k"] == [0] and x["idx"] == [x["n_steps"] - 1] for x in unsearched)
     # At most mc_max_trajectories distinct wrong texts were searched per round; their tokens count in the budget.
     for r in (1, 2):
-        assert len({(x["problem_id"], x["completion"]) for x in wrong if x["round"] == r}) <= cfg.score.mc_max_trajectories
+        assert len({(x["problem_id"], x["completion"]) for x in searched if x["round"] == r}) <= cfg.score.mc_max_trajectories
     budget = store.query("SELECT round, generated_tokens, mc_tokens, search_tokens, budget_tokens FROM v_round_summary "
                          "WHERE experiment_id=? AND round > 0 ORDER BY 1", [cfg.experiment])[1]
     assert all(mc > 0 and b == g + mc + s for _, g, mc, s, b in budget)

@@ -57,6 +57,7 @@ def test_incompatible_settings_say_what_to_change():
      "set train_reward.orm=true"),
     ({"recipe": "coevo", "train_reward": {"enabled": True, "label_source": "mc_soft"},
       "score": {"mc_rollouts": 4, "mc_strategy": "first_error"}}, "set train_reward.label_source=mc_hard"),
+    ({"score": {"mc_search_unsolved": True}}, "set score.mc_strategy=first_error"),
     ({"generate": {"search": {"max_tries": 2}}}, "generate.search is guided by the previous round's PRM"),
     ({"generate": {"search": {"max_tries": 0}}}, "generate.search.max_tries"),
 ])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from components.domains.arith import ArithDomain
 from components.domains.base import Problem
-from components.labeling import mc_first_error_labels, mc_step_labels, mc_value, oracle_labels
+from components.labeling import mc_first_error_labels, mc_step_labels, mc_value, oracle_labels, prm_examples
 from components.models.backends import HFBackend, Sample
 from components.models.tiny import TinyLlamaConfig, create_tiny_llama
 
@@ -113,6 +113,40 @@ def test_mc_first_error_labels_roll_a_shared_prefix_out_once():
     # Level 1: prefixes 2 (a) and 1 (b); level 2: prefix 1 (a) is known, prefix 0 (b) is new; level 3: nothing new.
     assert [sorted(c[0]) for c in backend.calls] == [sorted([prefix(2), prefix(1)]), [prefix(0)]]
     assert stats["unique_prefixes"] == 3 and stats["search_levels"] == 3
+
+
+def test_mc_first_error_labels_do_not_search_a_problem_no_sample_solved():
+    p = "1+2+3+1+1\n"
+    wrong = "1+2=3\n3+3=7\n7+1=8\n8+1=9\n#### 9\n"
+    steps = ArithDomain.split_steps(wrong)
+    prefix = lambda i: p + "".join(s + "\n" for s in steps[:i + 1])
+    backend = ScriptedBackend({prefix(2): ["#### 1\n"] * 2, prefix(1): ["#### 1\n"] * 2,
+                               prefix(0): ["3+3=6\n6+1=7\n7+1=8\n#### 8\n"] * 2})
+    dead = _item("dead", wrong, p, "8") | {"root_alive": False}
+    alive = _item("alive", wrong, p, "8") | {"root_alive": True}
+    rows, stats = mc_first_error_labels(ArithDomain(), backend, [dead], k=2, temperature=0.8, max_new_tokens=16,
+                                        seed=0)
+    # No alive root, no search: the final step alone, whose value is the verified outcome.
+    assert _by(rows, "mc_hard") == {("dead", 4): (0.0, 0)} and backend.calls == []
+    assert stats["rollouts"] == 0 and stats["dead_root"] == 1
+    rows, stats = mc_first_error_labels(ArithDomain(), backend, [dead, alive], k=2, temperature=0.8,
+                                        max_new_tokens=16, seed=0)
+    hard = _by(rows, "mc_hard")
+    assert [hard[("alive", i)][0] for i in range(5)] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert [k for k in hard if k[0] == "dead"] == [("dead", 4)] and stats["search_levels"] == 3
+
+
+def test_prm_examples_keep_partly_labelled_trajectories_with_none_steps():
+    items = [{"trajectory_id": "a", "prompt": "p", "steps": ["x", "y", "z"]},
+             {"trajectory_id": "b", "prompt": "q", "steps": ["x"]},
+             {"trajectory_id": "c", "prompt": "r", "steps": ["x", "w"]}]
+    labels = {"a": {2: {"mc_hard": 0.0}}, "c": {0: {"mc_hard": 1.0}, 1: {"mc_hard": 0.0}}}
+    ex, dec = prm_examples(items, labels, source="mc_hard", prior_scores={"a": [0.1, 0.1, 0.1], "c": [0.9, 0.1]},
+                           consensus=True)
+    assert [(e["trajectory_id"], e["labels"]) for e in ex] == [("a", [None, None, False]), ("c", [True, False])]
+    # b has no label at all; a's consensus cannot be judged on a partial labelling, so it is kept.
+    assert [(d["trajectory_id"], d["reason"]) for d in dec] == [("a", "mc labels (final step only)"),
+                                                                ("c", "mc labels")]
 
 
 def test_mc_step_labels_with_the_hf_backend(tmp_path):

@@ -115,6 +115,17 @@ def test_prm_warm_start_keeps_what_it_learned(prm, backbone, tmp_path):
     assert metrics["init"] == "prm" and metrics["first_loss"] < 0.1  # a fresh head starts near 0.4
 
 
+def test_prm_unlabelled_steps_train_nothing(backbone, tmp_path):
+    """A None label (first_error's unsearched steps) is -100: neither counted nor in the loss."""
+    ex = _prm_examples(3, 4)
+    partial = [e | {"labels": [None] * (len(e["labels"]) - 1) + [e["labels"][-1]]} for e in ex]
+    kw = dict(max_steps=1, batch_size=len(ex), logging_steps=1, learning_rate=1e-9)
+    m = train_prm(backbone, partial, str(tmp_path / "p"), PRMParams(**kw))
+    assert m["labelled_steps"] == len(ex) and m["good_fraction"] == sum(e["labels"][-1] for e in ex) / len(ex)
+    full = train_prm(backbone, ex, str(tmp_path / "f"), PRMParams(**kw))
+    assert full["labelled_steps"] == sum(len(e["labels"]) for e in ex) and full["first_loss"] != m["first_loss"]
+
+
 def _orm_examples(seed: int, n: int) -> list[dict]:
     out = []
     for p in _problems(seed, n):
