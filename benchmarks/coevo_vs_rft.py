@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default, three arms
     .venv/bin/python benchmarks/coevo_vs_rft.py --rounds 2 --workdir /tmp/bench
+    .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo --tag v2   # rerun a changed arm beside the others
 
 Runs (each `coevo run`, its own process; committed stages are skipped, so a second call only reports):
 - `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model);
@@ -42,7 +43,8 @@ RUNS = {
 
 
 def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
-    config, sets = RUNS[name]
+    config, sets = RUNS[name][0], [s for s in RUNS[name][1] if not s.startswith("experiment=")]
+    sets = [f"experiment={_experiment(name)}", *sets]
     # One DuckDB store for both (its commits retry on the lock), but an MLflow SQLite file each: two
     # processes creating and migrating one SQLite file at once fail.
     sets = [*sets, f"workdir={workdir}", f"tracking.tracking_uri=sqlite:///{workdir / f'mlflow-{name}.db'}"]
@@ -50,7 +52,7 @@ def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
     cmd = [str(Path(sys.executable).parent / "coevo"), "run", "--config", str(REPO / config)]
     for s in sets:
         cmd += ["--set", s]
-    log = open(workdir / f"{name}.log", "w")
+    log = open(workdir / (f"{name}-{TAGS[name]}.log" if name in TAGS else f"{name}.log"), "w")
     # A busy machine starts Prefect's temporary server slowly: 180 s, not the default 20 s.
     env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "COEVO_TORCH_THREADS": "1"} | os.environ
     env["PREFECT_HOME"] = str(workdir / ".prefect" / name)
@@ -59,8 +61,12 @@ def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
+TAGS: dict[str, str] = {}  # arm -> suffix of its experiment name (--tag), so a changed arm reruns beside the others
+
+
 def _experiment(name: str) -> str:
-    return next(s.split("=", 1)[1] for s in RUNS[name][1] if s.startswith("experiment="))
+    base = next(s.split("=", 1)[1] for s in RUNS[name][1] if s.startswith("experiment="))
+    return f"{base}-{TAGS[name]}" if name in TAGS else base
 
 
 def _summary(store, name: str) -> list[dict]:
@@ -90,7 +96,7 @@ def report(workdir: Path, names: list[str]) -> dict:
     from components.store import Store
 
     store = Store(workdir / "coevo.duckdb")
-    data = {n: _summary(store, n) for n in names}
+    data = {n: rows for n in names if (rows := _summary(store, n))}
     print("\n== budget and held-out greedy accuracy per round (hard = hardest level) ==")
     print(f"{'recipe':<12} {'round':>5} {'cum tokens':>11} {'all levels':>10} {'hard':>6}")
     for n, rows in data.items():
@@ -150,7 +156,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     ap.add_argument("--parallel", action="store_true", help="run the recipes at the same time")
     ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
+    ap.add_argument("--tag", default=None, help="suffix the experiment names of the --only arms (bench-coevo-TAG): "
+                                                "rerun a changed arm in the same store and compare it with the others")
     args = ap.parse_args()
+    TAGS.update({n: args.tag for n in args.only} if args.tag else {})
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
@@ -166,7 +175,7 @@ def main() -> None:
             if p.wait() != 0:
                 sys.exit(f"[{n}] failed (exit {p.returncode}); see {args.workdir}/{n}.log")
         print(f"runs done in {time.perf_counter() - t0:.0f}s")
-    report(args.workdir, args.only)
+    report(args.workdir, list(RUNS))  # every arm the store holds
 
 
 if __name__ == "__main__":
