@@ -52,7 +52,7 @@ def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
     cmd = [str(Path(sys.executable).parent / "coevo"), "run", "--config", str(REPO / config)]
     for s in sets:
         cmd += ["--set", s]
-    log = open(workdir / (f"{name}-{TAGS[name]}.log" if name in TAGS else f"{name}.log"), "w")
+    log = open(_log_path(name, workdir), "w")
     # A busy machine starts Prefect's temporary server slowly: 180 s, not the default 20 s.
     env = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "COEVO_TORCH_THREADS": "1"} | os.environ
     env["PREFECT_HOME"] = str(workdir / ".prefect" / name)
@@ -62,6 +62,10 @@ def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
 
 
 TAGS: dict[str, str] = {}  # arm -> suffix of its experiment name (--tag), so a changed arm reruns beside the others
+
+
+def _log_path(name: str, workdir: Path) -> Path:
+    return workdir / (f"{name}-{TAGS[name]}.log" if name in TAGS else f"{name}.log")
 
 
 def _experiment(name: str) -> str:
@@ -173,7 +177,7 @@ def main() -> None:
                 procs[n].wait()
         for n, p in procs.items():
             if p.wait() != 0:
-                sys.exit(f"[{n}] failed (exit {p.returncode}); see {args.workdir}/{n}.log")
+                sys.exit(f"[{n}] failed (exit {p.returncode}); see {_log_path(n, args.workdir)}")
         print(f"runs done in {time.perf_counter() - t0:.0f}s")
     report(args.workdir, list(RUNS))  # every arm the store holds
 
