@@ -1,6 +1,6 @@
 """Does `coevo` beat the `rft` baseline on the same generation budget? All arms, one command.
 
-    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default, three arms
+    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default, every arm
     .venv/bin/python benchmarks/coevo_vs_rft.py --rounds 2 --workdir /tmp/bench
     .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo --tag v2   # rerun a changed arm beside the others
 
@@ -8,6 +8,8 @@ Runs (each `coevo run`, its own process; committed stages are skipped, so a seco
 - `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model);
 - `rft-n4`: the same with 4 samples per problem instead of 8 (coevo's number): the control that tells a
   saving from sampling less apart from one the reward model brings;
+- `rft-until1`: the same with coevo's sampler (`generate.until_correct: 1`: one draw at a time, up to 4,
+  until a problem has a right answer): the control for the saving the sampler brings;
 - `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels and a PRM), whose Monte
   Carlo rollouts count in its budget.
 
@@ -15,7 +17,7 @@ Then, from the store (`v_round_summary`, `evaluations`), it prints:
 1. the budget: cumulative generated tokens (sampling + Monte Carlo rollouts) per round and recipe;
 2. figure 1: the tokens `coevo` needed to reach `rft`'s final held-out accuracy (ratio; <= 0.5 is the
    target), and `coevo`'s accuracy at `rft`'s final budget minus `rft`'s (>= +10 points is the target);
-   the same against `rft-n4`;
+   the same against `rft-n4` and `rft-until1`;
 3. figure 2: the last round's PRM against oracle step labels on held-out samples: step F1 (>= 0.85 is
    the target) and PRM best-of-8 vs maj@8 vs greedy (Let's Verify Step by Step's ordering);
 and writes `accuracy_vs_tokens.png` beside the store. `--parallel` runs the arms at once (one torch
@@ -38,6 +40,9 @@ RUNS = {
     # The control: rft with coevo's 4 samples per problem, so a saving from sampling less is not credited
     # to the reward model.
     "rft-n4": ("configs/arith.yaml", ["experiment=bench-rft-n4", "generate.samples_per_problem=4"]),
+    # The control for coevo's sampler: rft drawing as coevo does (one at a time, up to 4, until one is right).
+    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", "generate.samples_per_problem=4",
+                                          "generate.until_correct=1", "generate.wave_size=1"]),
     "coevo": ("configs/arith-coevo.yaml", ["experiment=bench-coevo"]),
 }
 
@@ -107,7 +112,7 @@ def report(workdir: Path, names: list[str]) -> dict:
         for r in rows:
             print(f"{n:<12} {r['round']:>5} {r['cum_tokens']:>11,} {r['greedy_acc']:>10.3f} {r['hard_acc']:>6.3f}")
     out: dict = {"rounds": data}
-    for baseline in ("rft", "rft-n4"):
+    for baseline in ("rft", "rft-n4", "rft-until1"):
         if "coevo" not in data or baseline not in data:
             continue
         base, co = data[baseline], data["coevo"]

@@ -84,6 +84,22 @@ class GenerateConfig(_Section):
     search: SearchConfig | None = Field(
         None, description="Null: plain sampling. Otherwise each sample is built step by step, the previous "
                           "round's PRM judging each step (recipe coevo; round 1, with no PRM yet, samples plainly).")
+    until_correct: int | None = Field(
+        None, ge=1, description="Null: samples_per_problem for every problem. Otherwise rejection sampling in waves "
+                                "(DART-Math): each wave draws wave_size samples for the problems with fewer than "
+                                "this many verified right answers so far, until samples_per_problem are drawn. A "
+                                "problem the policy solves at once costs one draw; the hard ones get the rest.")
+    wave_size: int = Field(1, ge=1, description="Samples per problem per wave when until_correct is set.")
+
+    @model_validator(mode="after")
+    def _waves(self) -> GenerateConfig:
+        if self.until_correct is not None and self.until_correct > self.samples_per_problem:
+            raise ValueError(f"generate.until_correct ({self.until_correct}) can never be met with "
+                             f"samples_per_problem={self.samples_per_problem}: lower it or draw more")
+        if self.wave_size > self.samples_per_problem:
+            raise ValueError(f"generate.wave_size ({self.wave_size}) exceeds samples_per_problem "
+                             f"({self.samples_per_problem})")
+        return self
 
 
 class VerifyConfig(_Section):

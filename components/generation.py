@@ -63,3 +63,44 @@ def generate(
                 for k, text in enumerate(domain.split_steps(s.text))
             )
     return GeneratedBatch([problem_row(p, split) for p in problems], trajs, steps)
+
+
+def generate_until_correct(
+    domain: Domain, backend: GenerationBackend, problems: list[Problem], *,
+    verifier: Callable[[list[str], list[str]], list[float | None]], want: int, wave_size: int, n: int, seed: int,
+    progress: Callable[[str], None] | None = None, **kw: Any,
+) -> tuple[GeneratedBatch, dict[str, float]]:
+    """Rejection sampling in waves (DART-Math): each wave draws `wave_size` more samples for every problem
+    with fewer than `want` right answers (by `verifier`, the verify stage's function and rule), until `n` per
+    problem are drawn. Wave 0 is `generate` at `seed`; wave w > 0 at `derive_seed(seed, w)`. Sample
+    indices run on across waves, so trajectory ids are those of the plain draw where they overlap.
+
+    Returns the batch and per-wave statistics (problems drawn for, tokens)."""
+    from components.models.backends import derive_seed
+    from components.verification import verify
+
+    right = dict.fromkeys((p.problem_id for p in problems), 0)
+    pending, drawn = list(problems), 0
+    trajs: list[dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
+    stats: dict[str, float] = {}
+    w = 0
+    while pending and drawn < n:
+        k = min(wave_size, n - drawn)
+        b = generate(domain, backend, pending, n=k, seed=seed if w == 0 else derive_seed(seed, w),
+                     first_sample_index=drawn, **kw)
+        answers = {p.problem_id: p.answer for p in pending}
+        for t, v in zip(b.trajectories, verify(b.trajectories, answers, verifier, name="until_correct", version=""),
+                        strict=True):
+            right[t["problem_id"]] += bool(v["correct"])
+        trajs += b.trajectories
+        steps += b.steps
+        stats |= {f"wave{w}_problems": len(pending), f"wave{w}_tokens": b.num_tokens}
+        drawn += k
+        pending = [p for p in pending if right[p.problem_id] < want]
+        if progress:
+            progress(f"wave {w}: {len(answers)} problems x {k}, {b.num_tokens} tokens; {len(pending)} still "
+                     f"short of {want} right")
+        w += 1
+    stats |= {"waves": w, "unmet": len(pending)}
+    return GeneratedBatch([problem_row(p, kw.get("split", "train")) for p in problems], trajs, steps), stats

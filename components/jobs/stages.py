@@ -60,10 +60,13 @@ def run_generate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         problems += domain.sample_problems(level, cfg.generate.problems_per_level,
                                            seed=spec.params["problem_seeds"][str(level)])
     problems = _unique(problems)
-    log("generate", f"{len(problems)} problems at levels {levels}, {cfg.generate.samples_per_problem} samples each")
+    g = cfg.generate
+    per = (f"up to {g.samples_per_problem} samples each, {g.wave_size} per wave until {g.until_correct} right"
+           if g.until_correct else f"{g.samples_per_problem} samples each")
+    log("generate", f"{len(problems)} problems at levels {levels}, {per}")
     t0 = time.perf_counter()
     backend = _backend(spec, spec.params["policy_uri"])
-    search, g = None, cfg.generate
+    search = None
     if g.search is not None and "search_prm_uri" in spec.params:
         from components.rewards.prm import PRMScorer
         from components.search import prm_step_search
@@ -78,19 +81,31 @@ def run_generate(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                          seed=seed, max_steps=g.search.max_steps,
                                          progress=lambda msg: log("generate", msg))
-            search_stats.update(stats)
+            for k, v in stats.items():  # summed over waves (generate.until_correct)
+                search_stats[k] = search_stats.get(k, 0) + v
             return out
     search_stats: dict[str, float] = {}
-    batch = generate(
-        domain, backend, problems, experiment=spec.experiment, round=spec.round,
-        purpose="train", policy_model_id=spec.params["policy_model_id"], n=g.samples_per_problem,
-        temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, seed=spec.seed, sample=search,
-    )
+    wave_stats: dict[str, float] = {}
+    kw = dict(experiment=spec.experiment, round=spec.round, purpose="train",
+              policy_model_id=spec.params["policy_model_id"], temperature=g.temperature, top_p=g.top_p,
+              max_new_tokens=g.max_new_tokens, sample=search)
+    if g.until_correct is None:
+        batch = generate(domain, backend, problems, n=g.samples_per_problem, seed=spec.seed, **kw)
+    else:
+        from components.generation import generate_until_correct
+        from components.verification import resolve_verifier
+
+        # The verify stage's own function, so "right" here is what it will store.
+        _, verifier = resolve_verifier(domain, cfg.verify.verifier)
+        batch, wave_stats = generate_until_correct(
+            domain, backend, problems, verifier=verifier, want=g.until_correct, wave_size=g.wave_size,
+            n=g.samples_per_problem, seed=spec.seed, progress=lambda msg: log("generate", msg), **kw)
     dt = time.perf_counter() - t0
     _write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps)
     log("generate", f"{len(batch.trajectories)} trajectories, {batch.num_tokens} tokens in {dt:.1f}s")
     metrics = {"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
                "tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
+    metrics |= {f"adaptive_{k}": float(v) for k, v in wave_stats.items()}
     if search_stats:
         # Discarded step draws are generation too: v_round_summary counts them in the round's budget.
         metrics |= {f"search_{k}": float(v) for k, v in search_stats.items()}

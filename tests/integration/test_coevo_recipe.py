@@ -87,6 +87,34 @@ def test_step_labels_come_from_rollouts_and_the_oracle(coevo_run):
     assert all(mc > 0 and b == g + mc + s for _, g, mc, s, b in budget)
 
 
+def test_generate_draws_in_waves_until_two_right_answers(coevo_run):
+    """generate.until_correct=2, wave_size=2: no problem is drawn for again once it has 2 right answers,
+    and one that never gets them has all samples_per_problem draws."""
+    import json
+
+    cfg, store = coevo_run
+    g = cfg.generate
+    assert (g.until_correct, g.wave_size, g.samples_per_problem) == (2, 2, 8)
+    for r in (1, 2):
+        per_problem = store.rows(
+            "SELECT t.problem_id, list(v.correct::INT ORDER BY t.sample_index) AS right, "
+            "list(t.sample_index ORDER BY t.sample_index) AS idx FROM trajectories t JOIN verifications v "
+            "USING (trajectory_id) WHERE t.experiment_id=? AND t.round=? AND t.purpose='train' GROUP BY 1",
+            [cfg.experiment, r])
+        for p in per_problem:
+            n = len(p["idx"])
+            assert p["idx"] == list(range(n)) and n % 2 == 0
+            assert sum(p["right"][:n - 2]) < 2   # it was still short before its last wave
+            assert sum(p["right"]) >= 2 or n == 8
+        m = json.loads(_one(store, "SELECT metrics_json FROM stage_runs WHERE experiment_id=? AND round=? "
+                                   "AND stage='generate' AND status='committed'", [cfg.experiment, r]))
+        waves = int(m["adaptive_waves"])
+        drawn_for = [m[f"adaptive_wave{w}_problems"] for w in range(waves)]
+        assert drawn_for[0] == len(per_problem) > drawn_for[-1] and drawn_for == sorted(drawn_for, reverse=True)
+        assert sum(drawn_for) * 2 == m["trajectories"] == sum(len(p["idx"]) for p in per_problem)
+        assert m["adaptive_unmet"] == sum(1 for p in per_problem if sum(p["right"]) < 2)
+
+
 def test_round_two_samples_step_by_step_guided_by_round_ones_prm(coevo_run):
     cfg, store = coevo_run
     import json
