@@ -1,25 +1,27 @@
 """Does `coevo` beat the `rft` baseline on the same generation budget? All arms, one command.
 
-    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default, every arm
+    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default: rft, rft-n4, coevo
     .venv/bin/python benchmarks/coevo_vs_rft.py --rounds 2 --workdir /tmp/bench
     .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo --tag v2   # rerun a changed arm beside the others
+    .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo-until1 rft-until1 --parallel   # the sampler's arms
 
 Runs (each `coevo run`, its own process; committed stages are skipped, so a second call only reports):
 - `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model);
 - `rft-n4`: the same with 4 samples per problem instead of 8 (coevo's number): the control that tells a
   saving from sampling less apart from one the reward model brings;
-- `rft-until1`: the same with coevo's sampler (`generate.until_correct: 1`: one draw at a time, up to 4,
-  until a problem has a right answer): the control for the saving the sampler brings;
 - `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels and a PRM), whose Monte
-  Carlo rollouts count in its budget.
+  Carlo rollouts count in its budget;
+- on `--only`: `rft-until1` and `coevo-until1`, each drawing one sample at a time, up to 4, until a
+  problem has a right answer (`generate.until_correct: 1`, DART-Math's rejection sampling).
 
 Then, from the store (`v_round_summary`, `evaluations`), it prints:
 1. the budget: cumulative generated tokens (sampling + Monte Carlo rollouts) per round and recipe;
-2. figure 1: the tokens `coevo` needed to reach `rft`'s final held-out accuracy (ratio; <= 0.5 is the
-   target), and `coevo`'s accuracy at `rft`'s final budget minus `rft`'s (>= +10 points is the target);
-   the same against `rft-n4` and `rft-until1`;
-3. figure 2: the last round's PRM against oracle step labels on held-out samples: step F1 (>= 0.85 is
-   the target) and PRM best-of-8 vs maj@8 vs greedy (Let's Verify Step by Step's ordering);
+2. figure 1, for each coevo arm: the tokens it needed to reach `rft`'s final held-out accuracy (ratio;
+   <= 0.5 is the target), and its accuracy at `rft`'s final budget minus `rft`'s (>= +10 points is the
+   target); the same against `rft-n4` and `rft-until1`;
+3. figure 2, for each coevo arm: the last round's PRM against oracle step labels on held-out samples:
+   step F1 (>= 0.85 is the target) and PRM best-of-8 vs maj@8 vs greedy (Let's Verify Step by Step's
+   ordering);
 and writes `accuracy_vs_tokens.png` beside the store. `--parallel` runs the arms at once (one torch
 thread each).
 """
@@ -35,16 +37,20 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+UNTIL1 = ["generate.samples_per_problem=4", "generate.until_correct=1", "generate.wave_size=1"]
 RUNS = {
     "rft": ("configs/arith.yaml", ["experiment=bench-rft"]),
     # The control: rft with coevo's 4 samples per problem, so a saving from sampling less is not credited
     # to the reward model.
     "rft-n4": ("configs/arith.yaml", ["experiment=bench-rft-n4", "generate.samples_per_problem=4"]),
-    # The control for coevo's sampler: rft drawing as coevo does (one at a time, up to 4, until one is right).
-    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", "generate.samples_per_problem=4",
-                                          "generate.until_correct=1", "generate.wave_size=1"]),
+    # rft drawing one at a time, up to 4, until a problem has a right answer (generate.until_correct): what
+    # that sampler saves without a reward model.
+    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", *UNTIL1]),
     "coevo": ("configs/arith-coevo.yaml", ["experiment=bench-coevo"]),
+    "coevo-until1": ("configs/arith-coevo.yaml", ["experiment=bench-coevo-until1", *UNTIL1]),
 }
+DEFAULT_ARMS = ["rft", "rft-n4", "coevo"]  # the two -until1 arms run on --only
+BASELINES = ("rft", "rft-n4", "rft-until1")
 
 
 def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
@@ -73,7 +79,12 @@ def _log_path(name: str, workdir: Path) -> Path:
     return workdir / (f"{name}-{TAGS[name]}.log" if name in TAGS else f"{name}.log")
 
 
+NAMES: dict[str, str] = {}  # arm -> experiment to report it from (--experiment ARM=NAME)
+
+
 def _experiment(name: str) -> str:
+    if name in NAMES:
+        return NAMES[name]
     base = next(s.split("=", 1)[1] for s in RUNS[name][1] if s.startswith("experiment="))
     return f"{base}-{TAGS[name]}" if name in TAGS else base
 
@@ -112,28 +123,26 @@ def report(workdir: Path, names: list[str]) -> dict:
         for r in rows:
             print(f"{n:<12} {r['round']:>5} {r['cum_tokens']:>11,} {r['greedy_acc']:>10.3f} {r['hard_acc']:>6.3f}")
     out: dict = {"rounds": data}
-    for baseline in ("rft", "rft-n4", "rft-until1"):
-        if "coevo" not in data or baseline not in data:
-            continue
-        base, co = data[baseline], data["coevo"]
-        print(f"\n== figure 1: coevo vs {baseline} on the generation budget ==")
+    for arm, baseline in ((a, b) for a in data if a.startswith("coevo") for b in BASELINES if b in data):
+        base, co = data[baseline], data[arm]
+        print(f"\n== figure 1: {arm} vs {baseline} on the generation budget ==")
         for key, label in (("greedy_acc", "all levels"), ("hard_acc", "hardest level")):
             target, budget = base[-1][key], base[-1]["cum_tokens"]
             need = _tokens_to_reach(co, key, target)
             ratio = need / budget if need else float("inf")
             gap = _acc_at_budget(co, key, budget) - target
-            out[f"fig1_{key}" + ("" if baseline == "rft" else f"_vs_{baseline}")] = {
+            out[f"fig1_{key}" + ("" if arm == "coevo" else f"_{arm}") + ("" if baseline == "rft" else f"_vs_{baseline}")] = {
                 "baseline_final": target, "baseline_tokens": budget, "coevo_tokens_to_match": need,
                 "token_ratio": ratio, "coevo_minus_baseline_at_budget": gap}
-            print(f"[{label}] {baseline} final {target:.3f} after {budget:,} tokens; coevo reaches it after "
+            print(f"[{label}] {baseline} final {target:.3f} after {budget:,} tokens; {arm} reaches it after "
                   f"{need if need is None else f'{need:,}'} tokens: ratio {ratio:.2f} (target <= 0.50); "
-                  f"at {baseline}'s budget coevo is {100 * gap:+.1f} points (target >= +10)")
-    if "coevo" in data:
-        last = data["coevo"][-1]["round"]
+                  f"at {baseline}'s budget {arm} is {100 * gap:+.1f} points (target >= +10)")
+    for arm in (a for a in data if a.startswith("coevo")):
+        last = data[arm][-1]["round"]
         ev = dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? AND round=? AND level=-1",
-                              [_experiment("coevo"), last])[1])
+                              [_experiment(arm), last])[1])
         if "prm_step_f1" in ev:
-            print(f"\n== figure 2: the round-{last} PRM on held-out samples, against oracle step labels ==")
+            print(f"\n== figure 2 ({arm}): the round-{last} PRM on held-out samples, against oracle step labels ==")
             print(f"step F1 {ev['prm_step_f1']:.3f} (target >= 0.85; precision {ev['prm_step_precision']:.3f}, "
                   f"recall {ev['prm_step_recall']:.3f}); erroneous-step F1 {ev['prm_error_f1']:.3f}; "
                   f"ProcessBench F1 {ev['processbench_f1']:.3f}")
@@ -141,7 +150,7 @@ def report(workdir: Path, names: list[str]) -> dict:
             if bon is not None and maj is not None:
                 print(f"PRM best-of-8 {bon:.3f} > maj@8 {maj:.3f} > greedy {greedy:.3f}: "
                       f"{'holds' if bon > maj > greedy else 'does NOT hold'}")
-            out["fig2"] = {k: ev.get(k) for k in ("prm_step_f1", "prm_error_f1", "processbench_f1", "prm_bon_at_8",
+            out["fig2" + ("" if arm == "coevo" else f"_{arm}")] = {k: ev.get(k) for k in ("prm_step_f1", "prm_error_f1", "processbench_f1", "prm_bon_at_8",
                                                   "maj_at_8", "greedy_acc", "prm_bon_at_16", "maj_at_16")}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     for ax, key, label in ((axes[0], "greedy_acc", "all levels"), (axes[1], "hard_acc", "hardest level")):
@@ -162,12 +171,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=REPO / "workdir" / "bench")
     ap.add_argument("--rounds", type=int, default=None, help="override every config's rounds")
-    ap.add_argument("--only", nargs="+", choices=sorted(RUNS), default=list(RUNS))
+    ap.add_argument("--only", nargs="+", choices=sorted(RUNS), default=DEFAULT_ARMS)
     ap.add_argument("--parallel", action="store_true", help="run the recipes at the same time")
     ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
     ap.add_argument("--tag", default=None, help="suffix the experiment names of the --only arms (bench-coevo-TAG): "
                                                 "rerun a changed arm in the same store and compare it with the others")
+    ap.add_argument("--experiment", action="append", default=[], metavar="ARM=NAME",
+                    help="with --report-only: report ARM from the store's experiment NAME (a run made under "
+                         "another tag or an earlier definition of the arm); repeatable")
     args = ap.parse_args()
+    for item in args.experiment:
+        arm, _, name = item.partition("=")
+        if arm not in RUNS or not name:
+            ap.error(f"--experiment {item!r}: expected ARM=NAME with ARM one of {', '.join(RUNS)}")
+        NAMES[arm] = name
+    if NAMES and not args.report_only:
+        ap.error("--experiment only renames what a report reads: add --report-only")
     TAGS.update({n: args.tag for n in args.only} if args.tag else {})
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
