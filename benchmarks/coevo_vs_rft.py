@@ -131,7 +131,8 @@ def report(workdir: Path, names: list[str]) -> dict:
             need = _tokens_to_reach(co, key, target)
             ratio = need / budget if need else float("inf")
             gap = _acc_at_budget(co, key, budget) - target
-            out[f"fig1_{key}" + ("" if arm == "coevo" else f"_{arm}") + ("" if baseline == "rft" else f"_vs_{baseline}")] = {
+            suffix = ("" if arm == "coevo" else f"_{arm}") + ("" if baseline == "rft" else f"_vs_{baseline}")
+            out[f"fig1_{key}{suffix}"] = {
                 "baseline_final": target, "baseline_tokens": budget, "coevo_tokens_to_match": need,
                 "token_ratio": ratio, "coevo_minus_baseline_at_budget": gap}
             print(f"[{label}] {baseline} final {target:.3f} after {budget:,} tokens; {arm} reaches it after "
@@ -150,8 +151,9 @@ def report(workdir: Path, names: list[str]) -> dict:
             if bon is not None and maj is not None:
                 print(f"PRM best-of-8 {bon:.3f} > maj@8 {maj:.3f} > greedy {greedy:.3f}: "
                       f"{'holds' if bon > maj > greedy else 'does NOT hold'}")
-            out["fig2" + ("" if arm == "coevo" else f"_{arm}")] = {k: ev.get(k) for k in ("prm_step_f1", "prm_error_f1", "processbench_f1", "prm_bon_at_8",
-                                                  "maj_at_8", "greedy_acc", "prm_bon_at_16", "maj_at_16")}
+            keys = ("prm_step_f1", "prm_error_f1", "processbench_f1", "prm_bon_at_8", "maj_at_8", "greedy_acc",
+                    "prm_bon_at_16", "maj_at_16")
+            out["fig2" + ("" if arm == "coevo" else f"_{arm}")] = {k: ev.get(k) for k in keys}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     for ax, key, label in ((axes[0], "greedy_acc", "all levels"), (axes[1], "hard_acc", "hardest level")):
         for n, rows in data.items():
