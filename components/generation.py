@@ -81,6 +81,7 @@ def generate_until_correct(
 
     right = dict.fromkeys((p.problem_id for p in problems), 0)
     pending, drawn = list(problems), 0
+    rows: list[dict[str, Any]] = []  # the problems, from wave 0, which draws for all of them
     trajs: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     stats: dict[str, float] = {}
@@ -93,6 +94,7 @@ def generate_until_correct(
         for t, v in zip(b.trajectories, verify(b.trajectories, answers, verifier, name="until_correct", version=""),
                         strict=True):
             right[t["problem_id"]] += bool(v["correct"])
+        rows = rows or b.problems
         trajs += b.trajectories
         steps += b.steps
         stats |= {f"wave{w}_problems": len(pending), f"wave{w}_tokens": b.num_tokens}
@@ -103,4 +105,4 @@ def generate_until_correct(
                      f"short of {want} right")
         w += 1
     stats |= {"waves": w, "unmet": len(pending)}
-    return GeneratedBatch([problem_row(p, kw.get("split", "train")) for p in problems], trajs, steps), stats
+    return GeneratedBatch(rows, trajs, steps), stats
