@@ -330,6 +330,14 @@ class ExperimentConfig(_Section):
         canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
+    def extends(self, stored_json: str) -> bool:
+        """Whether this config is the stored one (`config_json` of `experiments`) with more rounds: the one
+        change a started experiment accepts. No stage reads `rounds` (a round's content depends on the seed,
+        the round and the stage), so its committed rounds stay valid when it grows."""
+        mine, stored = self.to_dict(), json.loads(stored_json)
+        return isinstance(stored.get("rounds"), int) and stored["rounds"] < mine["rounds"] \
+            and {**stored, "rounds": mine["rounds"]} == mine
+
     def flat(self) -> dict[str, Any]:
         """Flattened `a.b.c -> value` view, for MLflow params."""
         return flatten(self.to_dict())

@@ -15,7 +15,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -428,13 +428,22 @@ class Store:
 
     # -- writes (the flow is the single writer) -------------------------------------------
     def register_experiment(self, experiment: str, config_json: str, config_hash: str, seed: int, recipe: str,
-                            code_version: str | None) -> None:
+                            code_version: str | None, extends: Callable[[str], bool] | None = None) -> bool:
+        """Record the experiment's config, or check a resume against it. A different config is refused unless
+        `extends(stored_config_json)` accepts it as a continuation (more rounds): then it replaces the stored
+        one, and this returns True."""
         with self.writer() as con:
-            row = con.execute("SELECT config_hash FROM experiments WHERE experiment_id=?", [experiment]).fetchone()
+            row = con.execute("SELECT config_hash, config_json FROM experiments WHERE experiment_id=?",
+                              [experiment]).fetchone()
+            if row and row[0] != config_hash and extends is not None and extends(row[1]):
+                con.execute("UPDATE experiments SET config_json=?, config_hash=? WHERE experiment_id=?",
+                            [config_json, config_hash, experiment])
+                return True
             if row and row[0] != config_hash:
                 raise StoreError(
                     f"experiment {experiment!r} already exists in {self.path} with config hash {row[0]}, "
-                    f"not {config_hash}: use a new experiment name, or resume it with its own config"
+                    f"not {config_hash}: use a new experiment name, resume it with its own config, or raise only "
+                    "`rounds` to continue it"
                 )
             if not row:
                 con.execute(
@@ -442,6 +451,7 @@ class Store:
                     "VALUES (?, ?, ?, ?, ?, ?)",
                     [experiment, config_json, config_hash, seed, recipe, code_version],
                 )
+            return False
 
     def set_round_plan(self, experiment: str, round: int, levels: list[int], reason: str) -> None:
         with self.writer() as con:

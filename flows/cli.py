@@ -141,14 +141,20 @@ def config_schema() -> None:
 
 
 @app.command()
-def resume(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
-    """Continue an experiment from its first stage without a committed attempt."""
+def resume(
+    experiment: str,
+    workdir: WorkdirOpt = Path("workdir"),
+    rounds: Annotated[Optional[int], typer.Option(
+        "--rounds", min=0, help="Continue to this many rounds (more than it has): its committed rounds are kept.")] = None,
+) -> None:
+    """Continue an experiment from its first stage without a committed attempt, or past its last round."""
     from flows.evolution import CONFIG_SNAPSHOT
 
     snapshot = workdir / experiment / CONFIG_SNAPSHOT
     if not snapshot.is_file():
         _fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
-    _run_flow("self_evolution", progress_bars=True, config_path=str(snapshot), overrides=[])
+    overrides = [] if rounds is None else [f"rounds={rounds}"]
+    _run_flow("self_evolution", progress_bars=True, config_path=str(snapshot), overrides=overrides)
     _print_summary(workdir, experiment)
 
 

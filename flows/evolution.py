@@ -41,7 +41,7 @@ def _flow_run_id() -> str | None:
 
 def _tracker(cfg: ExperimentConfig) -> Tracker:
     tracker = Tracker(cfg)
-    tracker.start({"config_hash": cfg.config_hash(), "git_sha": code_version() or "unknown",
+    tracker.start({"config_hash": cfg.config_hash(), "rounds": str(cfg.rounds), "git_sha": code_version() or "unknown",
                    "prefect_flow_run_id": _flow_run_id() or "none", "recipe": cfg.recipe})
     return tracker
 
@@ -149,10 +149,13 @@ def evolution_round(config_path: str, round: int, overrides: list[str] | None = 
 
 def _register(cfg: ExperimentConfig) -> None:
     store = Store(cfg.store_path)
-    store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed, cfg.recipe,
-                              code_version())
+    extended = store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed,
+                                         cfg.recipe, code_version(), extends=cfg.extends)
+    if extended:
+        get_run_logger().info(f"experiment {cfg.experiment} continues to rounds={cfg.rounds}: its committed "
+                              "rounds are kept, config hash now " + cfg.config_hash())
     snapshot = cfg.experiment_dir / CONFIG_SNAPSHOT
-    if not snapshot.exists():
+    if extended or not snapshot.exists():
         snapshot.parent.mkdir(parents=True, exist_ok=True)
         body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         snapshot.write_text(f"# coevo resume {cfg.experiment}\n# resolved config of this experiment (overrides applied)\n{body}")

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,35 @@ def test_overrides_are_typed_and_change_the_hash():
     assert (cfg.rounds, cfg.train_policy.steps, cfg.curriculum.low) == (2, 7, 0.1)
     assert cfg.config_hash() != base.config_hash()
     assert load_config(REPO / "configs/arith.yaml").config_hash() == base.config_hash()
+
+
+def test_an_experiment_continues_with_more_rounds_and_nothing_else(tmp_path):
+    """Resuming with a different config is refused, except `rounds` raised: then the store takes it."""
+    from components.store import Store, StoreError
+
+    store = Store(tmp_path / "s.duckdb")
+    base = load_config(REPO / "configs/arith.yaml", ["rounds=2"])
+    more = load_config(REPO / "configs/arith.yaml", ["rounds=4"])
+    stored = base.model_dump_json()
+    assert more.extends(stored) and not base.extends(stored)
+    assert not load_config(REPO / "configs/arith.yaml", ["rounds=1"]).extends(stored)
+    assert not load_config(REPO / "configs/arith.yaml", ["rounds=4", "seed=3"]).extends(stored)
+
+    def register(cfg):
+        return store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed,
+                                         cfg.recipe, None, extends=cfg.extends)
+
+    def row():
+        return store.rows("SELECT config_hash, config_json FROM experiments")[0]
+
+    assert register(base) is False and register(base) is False
+    assert register(more) is True
+    assert row()["config_hash"] == more.config_hash() and json.loads(row()["config_json"])["rounds"] == 4
+    assert register(more) is False  # now the stored config
+    for other in (base, load_config(REPO / "configs/arith.yaml", ["rounds=6", "train_policy.steps=7"])):
+        with pytest.raises(StoreError, match=r"raise only `rounds`"):
+            register(other)
+    assert row()["config_hash"] == more.config_hash()
 
 
 def test_hash_ignores_key_order():
