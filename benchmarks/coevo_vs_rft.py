@@ -1,24 +1,26 @@
 """Does `coevo` beat the `rft` baseline on the same generation budget? All arms, one command.
 
-    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default: rft, rft-n4, coevo
+    .venv/bin/python benchmarks/coevo_vs_rft.py --parallel              # the embedded default: rft, rft-until1, coevo
     .venv/bin/python benchmarks/coevo_vs_rft.py --rounds 2 --workdir /tmp/bench
-    .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo --tag v2   # rerun a changed arm beside the others
-    .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo-until1 rft-until1 --parallel   # the sampler's arms
+    .venv/bin/python benchmarks/coevo_vs_rft.py --only coevo --tag v4   # rerun a changed arm beside the others
+    .venv/bin/python benchmarks/coevo_vs_rft.py --only rft-n4 coevo-n4 --parallel   # 4 draws for every problem
 
 Runs (each `coevo run`, its own process; committed stages are skipped, so a second call only reports):
-- `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model);
-- `rft-n4`: the same with 4 samples per problem instead of 8 (coevo's number): the control that tells a
-  saving from sampling less apart from one the reward model brings;
-- `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels and a PRM), whose Monte
-  Carlo rollouts count in its budget;
-- on `--only`: `rft-until1` and `coevo-until1`, each drawing one sample at a time, up to 4, until a
-  problem has a right answer (`generate.until_correct: 1`, DART-Math's rejection sampling).
+- `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model;
+  8 samples per problem, 6 rounds): the baseline;
+- `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels and a PRM; one draw at a
+  time, up to 4, until a problem has a right answer, DART-Math's rejection sampling; 11 rounds), whose
+  Monte Carlo rollouts count in its budget;
+- `rft-until1`: rft with coevo's sampler and rounds: the control that tells a saving from sampling less
+  apart from one the reward model brings;
+- on `--only`: `rft-n4` (rft with 4 samples for every problem) and `coevo-n4` (coevo likewise, 6 rounds:
+  arith-coevo.yaml before the sampler).
 
 Then, from the store (`v_round_summary`, `evaluations`), it prints:
 1. the budget: cumulative generated tokens (sampling + Monte Carlo rollouts) per round and recipe;
 2. figure 1, for each coevo arm: the tokens it needed to reach `rft`'s final held-out accuracy (ratio;
    <= 0.5 is the target), and its accuracy at `rft`'s final budget minus `rft`'s (>= +10 points is the
-   target); the same against `rft-n4` and `rft-until1`;
+   target); the same against its control (`rft-until1`, `rft-n4` for `coevo-n4`);
 3. figure 2, for each coevo arm: the last round's PRM against oracle step labels on held-out samples:
    step F1 (>= 0.85 is the target) and PRM best-of-8 vs maj@8 vs greedy (Let's Verify Step by Step's
    ordering);
@@ -37,20 +39,21 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-UNTIL1 = ["generate.samples_per_problem=4", "generate.until_correct=1", "generate.wave_size=1"]
 RUNS = {
     "rft": ("configs/arith.yaml", ["experiment=bench-rft"]),
-    # The control: rft with coevo's 4 samples per problem, so a saving from sampling less is not credited
-    # to the reward model.
-    "rft-n4": ("configs/arith.yaml", ["experiment=bench-rft-n4", "generate.samples_per_problem=4"]),
-    # rft drawing one at a time, up to 4, until a problem has a right answer (generate.until_correct): what
-    # that sampler saves without a reward model.
-    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", *UNTIL1]),
     "coevo": ("configs/arith-coevo.yaml", ["experiment=bench-coevo"]),
-    "coevo-until1": ("configs/arith-coevo.yaml", ["experiment=bench-coevo-until1", *UNTIL1]),
+    # The control: rft with arith-coevo.yaml's sampler and rounds, so a saving from sampling less is not
+    # credited to the reward model.
+    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", "generate.samples_per_problem=4",
+                                          "generate.until_correct=1", "generate.wave_size=1", "rounds=11"]),
+    # 4 samples for every problem: rft's control for coevo-n4, arith-coevo.yaml before the sampler.
+    "rft-n4": ("configs/arith.yaml", ["experiment=bench-rft-n4", "generate.samples_per_problem=4"]),
+    "coevo-n4": ("configs/arith-coevo.yaml", ["experiment=bench-coevo-n4", "generate.until_correct=null",
+                                              "rounds=6"]),
 }
-DEFAULT_ARMS = ["rft", "rft-n4", "coevo"]  # the two -until1 arms run on --only
-BASELINES = ("rft", "rft-n4", "rft-until1")
+DEFAULT_ARMS = ["rft", "rft-until1", "coevo"]  # rft-n4 and coevo-n4 run on --only
+# Figure 1 compares each coevo arm with the baseline and with its control (the same sampling, no reward model).
+BASELINES = {"coevo": ("rft", "rft-until1"), "coevo-n4": ("rft", "rft-n4")}
 
 
 def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
@@ -123,7 +126,7 @@ def report(workdir: Path, names: list[str]) -> dict:
         for r in rows:
             print(f"{n:<12} {r['round']:>5} {r['cum_tokens']:>11,} {r['greedy_acc']:>10.3f} {r['hard_acc']:>6.3f}")
     out: dict = {"rounds": data}
-    for arm, baseline in ((a, b) for a in data if a.startswith("coevo") for b in BASELINES if b in data):
+    for arm, baseline in ((a, b) for a in BASELINES if a in data for b in BASELINES[a] if b in data):
         base, co = data[baseline], data[arm]
         print(f"\n== figure 1: {arm} vs {baseline} on the generation budget ==")
         for key, label in (("greedy_acc", "all levels"), ("hard_acc", "hardest level")):
@@ -138,7 +141,7 @@ def report(workdir: Path, names: list[str]) -> dict:
             print(f"[{label}] {baseline} final {target:.3f} after {budget:,} tokens; {arm} reaches it after "
                   f"{need if need is None else f'{need:,}'} tokens: ratio {ratio:.2f} (target <= 0.50); "
                   f"at {baseline}'s budget {arm} is {100 * gap:+.1f} points (target >= +10)")
-    for arm in (a for a in data if a.startswith("coevo")):
+    for arm in (a for a in BASELINES if a in data):
         last = data[arm][-1]["round"]
         ev = dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? AND round=? AND level=-1",
                               [_experiment(arm), last])[1])
