@@ -39,13 +39,25 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def _coevo_sampling() -> list[str]:
+    """arith-coevo.yaml's sampler and rounds as overrides, read from it: the control samples as coevo does."""
+    from components.config import load_config
+
+    cfg = load_config(REPO / "configs" / "arith-coevo.yaml")
+    g = cfg.generate
+    return [f"generate.samples_per_problem={g.samples_per_problem}", f"generate.until_correct={g.until_correct}",
+            f"generate.wave_size={g.wave_size}", f"rounds={cfg.rounds}"]
+
+
 RUNS = {
     "rft": ("configs/arith.yaml", ["experiment=bench-rft"]),
     "coevo": ("configs/arith-coevo.yaml", ["experiment=bench-coevo"]),
     # The control: rft with arith-coevo.yaml's sampler and rounds, so a saving from sampling less is not
     # credited to the reward model.
-    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", "generate.samples_per_problem=4",
-                                          "generate.until_correct=1", "generate.wave_size=1", "rounds=11"]),
+    "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", *_coevo_sampling()]),
     # 4 samples for every problem: rft's control for coevo-n4, arith-coevo.yaml before the sampler.
     "rft-n4": ("configs/arith.yaml", ["experiment=bench-rft-n4", "generate.samples_per_problem=4"]),
     "coevo-n4": ("configs/arith-coevo.yaml", ["experiment=bench-coevo-n4", "generate.until_correct=null",
@@ -114,7 +126,6 @@ def _acc_at_budget(rows: list[dict], key: str, budget: int) -> float:
 
 
 def report(workdir: Path, names: list[str]) -> dict:
-    sys.path.insert(0, str(REPO))
     from components.plots import _save, plt
     from components.store import Store
 
