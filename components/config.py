@@ -216,12 +216,26 @@ class TrainRewardConfig(_Section):
     init: Literal["previous", "policy"] = Field(
         "previous", description="Warm-start from the previous round's PRM, or put a new head on the policy that "
                                 "sampled the round.")
+    head: Literal["classifier", "likelihood"] = Field(
+        "classifier", description="classifier: a token-classification head reads each step's separator (TRL's "
+                                  "PRM); likelihood: a step scores sigmoid(scale * min log p + bias) over its tokens "
+                                  "under the backbone's own LM head, the labels fine-tuning the whole model "
+                                  "(components/rewards/prm.py).")
+    lm_weight: float = Field(0.0, ge=0.0, description="head=likelihood: weight of the language-model loss on "
+                                                      "all-good trajectories, which keeps the PRM a language model.")
     steps: int = Field(300, ge=1)
     batch_size: int = Field(64, ge=1)
     learning_rate: float = Field(1e-3, gt=0)
     orm: bool = Field(False, description="Also train an outcome reward model (TRL RewardTrainer) on outcome "
                                          "pairs, for ORM best-of-N.")
     orm_steps: int = Field(200, ge=1)
+
+    @model_validator(mode="after")
+    def _lm_weight_needs_an_lm(self) -> "TrainRewardConfig":
+        if self.lm_weight and self.head != "likelihood":
+            raise ValueError("train_reward.lm_weight trains the PRM's language-model head: set "
+                             "train_reward.head=likelihood, or lm_weight=0")
+        return self
 
 
 class EvaluateConfig(_Section):
@@ -331,12 +345,19 @@ class ExperimentConfig(_Section):
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def extends(self, stored_json: str) -> bool:
-        """Whether this config is the stored one (`config_json` of `experiments`) with more rounds: the one
-        change a started experiment accepts. No stage reads `rounds` (a round's content depends on the seed,
-        the round and the stage), so its committed rounds stay valid when it grows."""
-        mine, stored = self.to_dict(), json.loads(stored_json)
-        return isinstance(stored.get("rounds"), int) and stored["rounds"] < mine["rounds"] \
-            and {**stored, "rounds": mine["rounds"]} == mine
+        """Whether the store may take this config in place of the stored one (`config_json` of `experiments`)
+        for a started experiment: the same config with more rounds, or one written before fields were added
+        (read today, those take their defaults, and a field is only ever added with the default that keeps
+        the old behaviour). No stage reads `rounds` (a round's content depends on the seed, the round and
+        the stage), so committed rounds stay valid when an experiment grows."""
+        try:
+            stored = type(self).model_validate_json(stored_json).to_dict()
+        except ValidationError:  # a field since removed or changed: not the same experiment
+            return False
+        mine = self.to_dict()
+        if stored["rounds"] > mine["rounds"] or {**stored, "rounds": mine["rounds"]} != mine:
+            return False
+        return stored["rounds"] < mine["rounds"] or json.loads(stored_json) != mine
 
     def flat(self) -> dict[str, Any]:
         """Flattened `a.b.c -> value` view, for MLflow params."""

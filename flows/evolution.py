@@ -152,8 +152,9 @@ def _register(cfg: ExperimentConfig) -> None:
     extended = store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed,
                                          cfg.recipe, code_version(), extends=cfg.extends)
     if extended:
-        get_run_logger().info(f"experiment {cfg.experiment} continues to rounds={cfg.rounds}: its committed "
-                              "rounds are kept, config hash now " + cfg.config_hash())
+        get_run_logger().info(f"experiment {cfg.experiment} continues with rounds={cfg.rounds} (more rounds, or "
+                              "fields added since its config was stored, at their defaults): its committed rounds "
+                              "are kept, config hash now " + cfg.config_hash())
     snapshot = cfg.experiment_dir / CONFIG_SNAPSHOT
     if extended or not snapshot.exists():
         snapshot.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,12 @@
-"""Process reward model: a token-classification head on a causal-LM backbone that scores every step.
+"""Process reward model: scores every step of a trajectory, on a causal-LM backbone. Two heads:
+
+- `classifier` (the default): a token-classification head reads each step's separator (TRL's PRM).
+- `likelihood`: a step's score is `sigmoid(scale * min log p(token) + bias)` over the step's tokens under
+  the backbone's own language-model head, with `scale` and `bias` learned; the step labels fine-tune the
+  whole model through that score, and `lm_weight` keeps it a language model on all-good trajectories.
+  A wrong step is a token the model would not have written, so the head starts from what the backbone
+  already computes (measured on the arith benchmark's round-11 trajectories: step AUC 0.91 against the
+  classifier's 0.64 on the same labels; README, "What it measured against rft").
 
     ex = {"prompt": "3+4-2\\n", "completions": ["3+4=7", "7-2=6", "#### 6"], "labels": [True, False, False]}
     metrics = train_prm("workdir/.../train_policy/a1/model", [ex], "out/prm", PRMParams(max_steps=300))
@@ -9,7 +17,8 @@ The data is TRL's PRM format (Math-Shepherd, https://arxiv.org/abs/2312.08935): 
 then each step followed by the separator "\\n"; a step's label sits on its separator (its last token)
 and every other position is -100. `trl.experimental.prm.PRMTrainer` was removed in TRL 1.14, so a
 plain `transformers.Trainer` trains it: `LlamaForTokenClassification`'s own cross-entropy ignores -100,
-which is exactly that trainer's loss. Checkpoints are safetensors only.
+which is exactly that trainer's loss. Checkpoints are safetensors only; a likelihood PRM is a plain
+`LlamaForCausalLM` checkpoint whose config carries `prm_head` and `prm_calibration` ([scale, bias]).
 """
 
 from __future__ import annotations
@@ -23,6 +32,9 @@ from components.rewards import device, losses, pad_right, save_checkpoint, train
 
 STEP_SEPARATOR = "\n"  # TRL's PRM default, and the arith/gsm8k step delimiter
 LABELS = {0: "bad", 1: "good"}
+HEADS = ("classifier", "likelihood")
+# A fresh likelihood head: a step whose least likely token had p = 1/e scores 0.5.
+INITIAL_CALIBRATION = (2.0, 2.0)
 
 
 @dataclass
@@ -35,8 +47,14 @@ class PRMParams:
     weight_decay: float = 0.0
     logging_steps: int = 25
     max_length: int = 256               # tokens; longer trajectories are cut, losing their last steps' labels
+    head: str = "classifier"            # or "likelihood" (module docstring)
+    lm_weight: float = 0.0              # weight of the language-model loss on all-good trajectories
 
     def __post_init__(self) -> None:
+        if self.head not in HEADS:
+            raise ValueError(f"PRMParams.head must be one of {HEADS}, got {self.head!r}")
+        if self.lm_weight < 0:
+            raise ValueError(f"PRMParams.lm_weight must be >= 0, got {self.lm_weight}")
         for name in ("max_steps", "batch_size", "max_length", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PRMParams.{name} must be >= 1, got {getattr(self, name)}")
@@ -79,11 +97,16 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
     """Train a PRM from a policy backbone (new head), or warm-start from the previous round's PRM."""
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForTokenClassification, AutoTokenizer, DataCollatorForTokenClassification,
-                              Trainer, TrainingArguments, set_seed)
+    from transformers import (AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
+                              DataCollatorForTokenClassification, Trainer, TrainingArguments, set_seed)
 
     if not examples:
         raise ValueError("train_prm: no examples")
+    if params.lm_weight and params.head != "likelihood":
+        raise ValueError("PRMParams.lm_weight needs head='likelihood': a classifier PRM has no language-model head")
+    if init_from_prm and prm_head(init_from_prm) != params.head:
+        raise ValueError(f"train_prm: {init_from_prm} is a {prm_head(init_from_prm)!r} PRM; it cannot warm-start "
+                         f"a {params.head!r} one (set train_reward.init=policy)")
     source = init_from_prm or base_model_path
     tok = AutoTokenizer.from_pretrained(source)
     if tok.pad_token is None:
@@ -94,46 +117,157 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
         if len(e["completions"]) != len(e["labels"]):
             raise ValueError(f"train_prm: {len(e['completions'])} steps but {len(e['labels'])} labels")
         ids, ends = tokenize_steps(tok, e["prompt"], e["completions"])
-        labels = [-100] * len(ids)
-        for end, value in zip(ends, e["labels"]):
-            labels[end] = _label(value)
-        labels = labels[: params.max_length]
-        n_pos += sum(v == 1 for v in labels)
-        n_lab += sum(v != -100 for v in labels)
-        rows.append({"input_ids": ids[: params.max_length], "labels": labels})
+        targets = [_label(v) if end < params.max_length else -100 for end, v in zip(ends, e["labels"])]
+        n_pos += sum(v == 1 for v in targets)
+        n_lab += sum(v != -100 for v in targets)
+        ids = ids[: params.max_length]
+        if params.head == "classifier":
+            labels = [-100] * len(ids)
+            for end, value in zip(ends, targets):
+                if end < len(ids):
+                    labels[end] = value
+            rows.append({"input_ids": ids, "labels": labels})
+        else:
+            all_good = all(v is True for v in e["labels"])
+            prompt_len = len(tokenize_steps(tok, e["prompt"], [])[0])
+            rows.append({"input_ids": ids, "step_of_token": _step_of_token(prompt_len, ends, len(ids)),
+                         "step_labels": targets, "lm_from": prompt_len if all_good else len(ids)})
 
     set_seed(params.seed)
-    model = AutoModelForTokenClassification.from_pretrained(
-        source, num_labels=2, id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, dtype=torch.float32)
+    kwargs = trainer_kwargs(params, "")
+    if params.head == "classifier":
+        model = AutoModelForTokenClassification.from_pretrained(
+            source, num_labels=2, id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, dtype=torch.float32)
+        trainer_cls, collator, extra = Trainer, DataCollatorForTokenClassification(tok), {}
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        scale, bias = getattr(model.config, "prm_calibration", None) or INITIAL_CALIBRATION
+        model.prm_calibration = torch.nn.Parameter(torch.tensor([scale, bias], dtype=torch.float32))
+        trainer_cls, collator = _trainer_class(), _likelihood_collator(tok.pad_token_id)
+        extra = {"lm_weight": params.lm_weight}
+        kwargs["remove_unused_columns"] = False  # the collator's extra columns are not forward() arguments
     model.config.pad_token_id = tok.pad_token_id
     with tempfile.TemporaryDirectory() as scratch:  # Trainer wants an output_dir; nothing of it is kept
-        trainer = Trainer(model=model, args=TrainingArguments(**trainer_kwargs(params, scratch)),
-                          train_dataset=Dataset.from_list(rows), data_collator=DataCollatorForTokenClassification(tok))
+        trainer = trainer_cls(model=model, args=TrainingArguments(**(kwargs | {"output_dir": scratch})),
+                              train_dataset=Dataset.from_list(rows), data_collator=collator, **extra)
         t0 = time.perf_counter()
         out = trainer.train()
         runtime = time.perf_counter() - t0
-    save_checkpoint(trainer.model, tok, out_dir)
+    model = trainer.model
+    calibration = {}
+    if params.head == "likelihood":  # the two scalars live in the config, so the checkpoint is a plain causal LM
+        model.config.prm_head = "likelihood"
+        model.config.prm_calibration = [round(float(v), 6) for v in model.prm_calibration.detach()]
+        calibration = dict(zip(("scale", "bias"), model.config.prm_calibration))
+        del model.prm_calibration
+    save_checkpoint(model, tok, out_dir)
     hist = losses(trainer.state.log_history)
     return {
         "train_loss": float(out.training_loss), "first_loss": hist[0] if hist else float("nan"),
         "final_loss": hist[-1] if hist else float("nan"), "steps": int(out.global_step), "runtime_s": runtime,
         "examples": len(rows), "labelled_steps": n_lab, "good_fraction": n_pos / max(n_lab, 1),
-        "init": "prm" if init_from_prm else "policy",
+        "init": "prm" if init_from_prm else "policy", **{f"calibration_{k}": v for k, v in calibration.items()},
     }
 
 
+def prm_head(path: str) -> str:
+    """Which head a saved PRM has: `likelihood` if its config says so, else `classifier`."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(path) / "config.json").read_text()).get("prm_head", "classifier")
+
+
+def _step_of_token(prompt_len: int, ends: list[int], length: int) -> list[int]:
+    """Each token's step index (the step's text and its separator), -1 for the prompt; cut at `length`.
+
+    >>> _step_of_token(3, [5, 7, 10], 10)
+    [-1, -1, -1, 0, 0, 0, 1, 1, 2, 2]
+    """
+    out, start = [-1] * length, prompt_len
+    for k, end in enumerate(ends):
+        out[start:min(end + 1, length)] = [k] * max(0, min(end + 1, length) - start)
+        start = end + 1
+    return out[:length]
+
+
+def _likelihood_step_logits(calibration: Any, logits: Any, input_ids: Any, step_of_token: Any, n_steps: int) -> Any:
+    """(batch, n_steps) logits `scale * min log p + bias`, the min over each step's tokens (`bias` where a
+    row has fewer steps). Token j's log-probability is read from position j - 1."""
+    import torch
+
+    lp = logits[:, :-1].float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    seg = step_of_token[:, 1:]
+    member = seg[:, None, :] == torch.arange(n_steps, device=seg.device)[None, :, None]
+    least = lp[:, None, :].expand(-1, n_steps, -1).masked_fill(~member, float("inf")).amin(-1)
+    least = least.masked_fill(~member.any(-1), 0.0)  # a row's missing steps: 0, not inf (0 * inf is a NaN gradient)
+    return calibration[0] * least + calibration[1]
+def _likelihood_collator(pad_id: int):
+    """Right-pads a batch of likelihood-PRM rows; `lm_labels` are the completion's tokens of an all-good row."""
+
+    def collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        ids, mask = pad_right([r["input_ids"] for r in rows], pad_id)
+        seg, _ = pad_right([r["step_of_token"] for r in rows], -1)
+        labels, _ = pad_right([r["step_labels"] or [-100] for r in rows], -100)
+        lm = torch.full_like(ids, -100)
+        for i, r in enumerate(rows):
+            lm[i, r["lm_from"]:len(r["input_ids"])] = ids[i, r["lm_from"]:len(r["input_ids"])]
+        return {"input_ids": ids, "attention_mask": mask, "step_of_token": seg, "step_labels": labels, "lm_labels": lm}
+
+    return collate
+
+
+def _likelihood_loss(model: Any, inputs: dict[str, Any], lm_weight: float) -> Any:
+    """Binary cross-entropy of each labelled step's score, plus `lm_weight` x the LM loss of all-good rows."""
+    import torch.nn.functional as F
+
+    out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+    labels = inputs["step_labels"]
+    z = _likelihood_step_logits(model.prm_calibration, out.logits, inputs["input_ids"], inputs["step_of_token"],
+                                labels.shape[1])
+    keep = labels != -100
+    loss = F.binary_cross_entropy_with_logits(z[keep], labels[keep].float()) if keep.any() else z.new_zeros(())
+    lm = inputs["lm_labels"][:, 1:]
+    if lm_weight and (lm != -100).any():
+        loss = loss + lm_weight * F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(),
+                                                  lm.reshape(-1), ignore_index=-100)
+    return loss
+
+
+def _trainer_class():
+    from transformers import Trainer
+
+    class LikelihoodTrainer(Trainer):
+        def __init__(self, *args: Any, lm_weight: float, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.lm_weight = lm_weight
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ARG002
+            loss = _likelihood_loss(model, inputs, self.lm_weight)
+            return (loss, None) if return_outputs else loss
+
+    return LikelihoodTrainer
+
+
 class PRMScorer:
-    """`score_steps`: P(step is good) at each step's separator, one forward pass per trajectory."""
+    """`score_steps`: P(step is good) for every step, one forward pass per trajectory (either head)."""
 
     def __init__(self, path: str, device_name: str | None = None):
         import torch
-        from transformers import AutoModelForTokenClassification, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
         self.torch = torch
         self.device = device_name or device()
         self.tok = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
-        self.good = self.model.config.label2id.get("good", 1)
+        self.head = prm_head(path)
+        cls = AutoModelForCausalLM if self.head == "likelihood" else AutoModelForTokenClassification
+        self.model = cls.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        if self.head == "likelihood":
+            self.calibration = torch.tensor(self.model.config.prm_calibration, dtype=torch.float32, device=self.device)
+        else:
+            self.good = self.model.config.label2id.get("good", 1)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0  # masked: any id works
 
     def score_steps(self, prompts: list[str], steps: list[list[str]], batch_size: int = 256) -> list[list[float]]:
@@ -146,11 +280,19 @@ class PRMScorer:
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
             ids, mask = pad_right([enc[i][0] for i in idx], self.pad_id)
+            ids, mask = ids.to(self.device), mask.to(self.device)
             with self.torch.inference_mode():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            probs = logits.float().softmax(-1)[..., self.good].cpu()
+                logits = self.model(input_ids=ids, attention_mask=mask).logits
+                if self.head == "likelihood":
+                    seg, _ = pad_right([_step_of_token(len(self.tok(prompts[i], add_special_tokens=False)["input_ids"]),
+                                                       enc[i][1], len(enc[i][0])) for i in idx], -1)
+                    probs = _likelihood_step_logits(self.calibration, logits, ids, seg.to(self.device),
+                                                    max(len(enc[i][1]) for i in idx)).sigmoid().cpu()
+                else:
+                    probs = logits.float().softmax(-1)[..., self.good].cpu()
             for row, i in enumerate(idx):
-                out[i] = probs[row, enc[i][1]].tolist()
+                out[i] = probs[row, : len(enc[i][1])].tolist() if self.head == "likelihood" \
+                    else probs[row, enc[i][1]].tolist()
         return out
 
 

@@ -1,3 +1,4 @@
+import hashlib
 import json
 from pathlib import Path
 
@@ -52,6 +53,31 @@ def test_an_experiment_continues_with_more_rounds_and_nothing_else(tmp_path):
         with pytest.raises(StoreError, match=r"raise only `rounds`"):
             register(other)
     assert row()["config_hash"] == more.config_hash()
+
+
+def test_an_experiment_stored_before_a_field_existed_resumes(tmp_path):
+    """A config stored by an older coevo lacks the fields added since: read today they take their defaults,
+    so the experiment resumes (and the stored row is brought up to date) unless a new field is set otherwise."""
+    from components.store import Store
+
+    store = Store(tmp_path / "s.duckdb")
+    cfg = load_config(REPO / "configs/arith.yaml", ["rounds=2"])
+    old = cfg.to_dict()
+    for field in ("head", "lm_weight"):  # added to train_reward after experiments were stored without them
+        del old["train_reward"][field]
+    old_json = json.dumps(old)
+    assert cfg.config_hash() != hashlib.sha256(json.dumps(old, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    assert cfg.extends(old_json)
+    assert not load_config(REPO / "configs/arith.yaml", ["rounds=2", "train_reward.head=likelihood"]).extends(old_json)
+    assert not load_config(REPO / "configs/arith.yaml", ["rounds=1"]).extends(old_json)
+    old["train_reward"]["no_such_field"] = 1
+    assert not cfg.extends(json.dumps(old))  # a field this coevo does not know: refused, not dropped
+
+    store.register_experiment(cfg.experiment, old_json, "oldhash", cfg.seed, cfg.recipe, None)
+    assert store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed,
+                                     cfg.recipe, None, extends=cfg.extends) is True
+    row = store.rows("SELECT config_hash, config_json FROM experiments")[0]
+    assert row["config_hash"] == cfg.config_hash() and json.loads(row["config_json"])["train_reward"]["head"] == "classifier"
 
 
 def test_hash_ignores_key_order():
