@@ -1,8 +1,9 @@
 """Process reward model: scores every step of a trajectory, on a causal-LM backbone. Two heads:
 
 - `classifier` (the default): a token-classification head reads each step's separator (TRL's PRM).
-- `likelihood`: a step's score is `sigmoid(scale * min log p(token) + bias)` over the step's tokens under
-  the backbone's own language-model head, with `scale` and `bias` learned; the step labels fine-tune the
+- `likelihood`: a step's score is `sigmoid(scale * min log p(token) + bias)` over the tokens of the step
+  and the steps before it (a step after a wrong one is wrong: the labels' meaning) under the backbone's
+  own language-model head, with `scale` and `bias` learned; the step labels fine-tune the
   whole model through that score, and `lm_weight` keeps it a language model on all-good trajectories.
   A wrong step is a token the model would not have written, so the head starts from what the backbone
   already computes (measured on the arith benchmark's round-11 trajectories: step AUC 0.91 against the
@@ -35,6 +36,7 @@ LABELS = {0: "bad", 1: "good"}
 HEADS = ("classifier", "likelihood")
 # A fresh likelihood head: a step whose least likely token had p = 1/e scores 0.5.
 INITIAL_CALIBRATION = (2.0, 2.0)
+CALIBRATION_LR_SCALE = 10.0
 
 
 @dataclass
@@ -192,8 +194,8 @@ def _step_of_token(prompt_len: int, ends: list[int], length: int) -> list[int]:
 
 
 def _likelihood_step_logits(calibration: Any, logits: Any, input_ids: Any, step_of_token: Any, n_steps: int) -> Any:
-    """(batch, n_steps) logits `scale * min log p + bias`, the min over each step's tokens (`bias` where a
-    row has fewer steps). Token j's log-probability is read from position j - 1."""
+    """(batch, n_steps) logits `scale * min log p + bias`, the min over the tokens of each step and the steps
+    before it (`bias` where a row has fewer steps). Token j's log-probability is read from position j - 1."""
     import torch
 
     lp = logits[:, :-1].float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
@@ -201,7 +203,9 @@ def _likelihood_step_logits(calibration: Any, logits: Any, input_ids: Any, step_
     member = seg[:, None, :] == torch.arange(n_steps, device=seg.device)[None, :, None]
     least = lp[:, None, :].expand(-1, n_steps, -1).masked_fill(~member, float("inf")).amin(-1)
     least = least.masked_fill(~member.any(-1), 0.0)  # a row's missing steps: 0, not inf (0 * inf is a NaN gradient)
-    return calibration[0] * least + calibration[1]
+    # A step label says whether its prefix can still reach a right answer (Monte Carlo, oracle): a step after
+    # a wrong one is wrong too, so a step scores by the least likely token of its whole prefix.
+    return calibration[0] * least.cummin(dim=1).values + calibration[1]
 def _likelihood_collator(pad_id: int):
     """Right-pads a batch of likelihood-PRM rows; `lm_labels` are the completion's tokens of an all-good row."""
 
@@ -243,6 +247,17 @@ def _trainer_class():
         def __init__(self, *args: Any, lm_weight: float, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self.lm_weight = lm_weight
+
+        def create_optimizer(self, model=None):
+            """The two calibration scalars learn at CALIBRATION_LR_SCALE x the rate: they must follow a backbone
+            whose likelihoods move, and a few hundred steps at a fine-tuning rate leave them near their start."""
+            opt = super().create_optimizer(model)
+            calibration = self.model.prm_calibration
+            for group in opt.param_groups:
+                group["params"] = [p for p in group["params"] if p is not calibration]
+            opt.add_param_group({"params": [calibration], "weight_decay": 0.0,
+                                 "lr": self.args.learning_rate * CALIBRATION_LR_SCALE})
+            return opt
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ARG002
             loss = _likelihood_loss(model, inputs, self.lm_weight)

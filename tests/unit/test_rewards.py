@@ -9,6 +9,7 @@ misplaced label, misread position or padding bug, which is what these tests are 
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from pathlib import Path
@@ -21,7 +22,8 @@ from components.domains.base import Problem
 from components.models.tiny import TinyLlamaConfig, create_tiny_llama, load_policy
 from components.rewards.implicit import implicit_step_rewards
 from components.rewards.orm import ORMParams, ORMScorer, train_orm
-from components.rewards.prm import PRMParams, PRMScorer, aggregate, tokenize_steps, train_prm
+from components.rewards.prm import (INITIAL_CALIBRATION, PRMParams, PRMScorer, _likelihood_step_logits, _step_of_token,
+                                    aggregate, prm_head, tokenize_steps, train_prm)
 
 DOMAIN = ArithDomain()
 SMALL = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=192)
@@ -124,6 +126,93 @@ def test_prm_unlabelled_steps_train_nothing(backbone, tmp_path):
     assert m["labelled_steps"] == len(ex) and m["good_fraction"] == sum(e["labels"][-1] for e in ex) / len(ex)
     full = train_prm(backbone, ex, str(tmp_path / "f"), PRMParams(**kw))
     assert full["labelled_steps"] == sum(len(e["labels"]) for e in ex) and full["first_loss"] != m["first_loss"]
+
+
+def _fact_examples(offsets: tuple[int, ...], seed: int) -> list[dict]:
+    """Every level-1 fact as a right solution and a wrong one (the result off by one of `offsets`)."""
+    rng, out = random.Random(seed), []
+    for prompt, answer in sorted({(p.prompt, p.answer) for p in DOMAIN.sample_problems(1, 2000, 0)}):
+        wrong = str(int(answer) + rng.choice(offsets))
+        for result, ok in ((answer, True), (wrong, False)):
+            out.append({"prompt": prompt, "completions": [f"{prompt.strip()}={result}", f"#### {result}"],
+                        "labels": [ok, ok]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def likelihood_prm(backbone, tmp_path_factory):
+    """A likelihood PRM trained on the level-1 facts with wrong results off by one: its LM loss learns the
+    right results, which is what it must read to reject results off by 2 or 3 it never saw."""
+    out = tmp_path_factory.mktemp("likelihood_prm")
+    metrics = train_prm(backbone, _fact_examples((-1, 1), 0), str(out),
+                        PRMParams(max_steps=600, batch_size=32, learning_rate=3e-3, head="likelihood", lm_weight=1.0))
+    return str(out), metrics
+
+
+def test_likelihood_step_score_is_the_least_likely_token_of_its_prefix():
+    """Hand-computed: tokens 0..4 = prompt [0], step 0 = tokens 1-2, step 1 = tokens 3-4; token j's
+    log-probability is read at position j-1; a step takes the minimum over its tokens and those before it."""
+    ids = torch.tensor([[1, 2, 3, 2, 1], [1, 2, 3, 2, 1]])
+    logits = torch.zeros(2, 5, 4)  # uniform: p = 1/4 everywhere, except where set below
+    logits[:, 0, 2] = math.log(3 * 7)    # p(token 1 = 2) = 21/24 = 0.875
+    logits[:, 1, 3] = math.log(3 * 1)    # p(token 2 = 3) = 3/6 = 0.5
+    logits[:, 2, 2] = math.log(3 * 3)    # p(token 3 = 2) = 9/12 = 0.75
+    logits[0, 3, 1] = math.log(3 * 7)    # row 0: p(token 4 = 1) = 0.875; row 1 keeps 0.25
+    seg = torch.tensor([_step_of_token(1, [2, 4], 5)] * 2)
+    assert seg[0].tolist() == [-1, 0, 0, 1, 1] and _step_of_token(1, [2, 4], 4) == [-1, 0, 0, 1]
+    z = _likelihood_step_logits(torch.tensor([2.0, 1.0]), logits, ids, seg, n_steps=2)
+    assert z[0].tolist() == pytest.approx([2 * math.log(0.5) + 1] * 2, abs=1e-5)  # step 1's own min is 0.75
+    assert z[1].tolist() == pytest.approx([2 * math.log(0.5) + 1, 2 * math.log(0.25) + 1], abs=1e-5)
+
+
+def test_likelihood_prm_rejects_wrong_results_it_never_saw(likelihood_prm):
+    path, metrics = likelihood_prm
+    assert metrics["steps"] == 600 and metrics["final_loss"] < metrics["first_loss"] / 10  # step BCE + LM loss
+    test = _fact_examples((-3, -2, 2, 3), 1)
+    scores = PRMScorer(path).score_steps([e["prompt"] for e in test], [e["completions"] for e in test])
+    assert [len(s) for s in scores] == [len(e["completions"]) for e in test]
+    pairs = [(p < 0.5, not ok) for e, s in zip(test, scores) for p, ok in zip(s, e["labels"])]
+    tp = sum(pred and bad for pred, bad in pairs)
+    f1_bad = 2 * tp / (sum(pred for pred, _ in pairs) + sum(bad for _, bad in pairs))
+    assert f1_bad >= 0.9, f"F1 on bad steps {f1_bad:.3f}"  # all-bad scores 0.67, all-good 0
+
+
+def test_likelihood_prm_is_a_causal_lm_checkpoint_with_its_calibration(likelihood_prm, prm):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path, metrics = likelihood_prm
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["prm_head"] == "likelihood" and prm_head(path) == "likelihood" and prm_head(prm[0]) == "classifier"
+    assert config["prm_calibration"] == [metrics["calibration_scale"], metrics["calibration_bias"]]
+    assert config["prm_calibration"] != list(INITIAL_CALIBRATION)  # learned, not left at the start
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        assert not [k for k in f.keys() if "calibration" in k]
+    assert not [p.name for p in Path(path).iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+    AutoModelForCausalLM.from_pretrained(path)  # loads as the plain LM it is
+
+
+def test_likelihood_prm_scores_do_not_depend_on_batching(likelihood_prm):
+    test = _prm_examples(7, 6)  # 2 to 4 steps each: rows of a batch with fewer steps than others
+    prompts, steps = [e["prompt"] for e in test], [e["completions"] for e in test]
+    scorer = PRMScorer(likelihood_prm[0])
+    batched = scorer.score_steps(prompts + ["1+1\n"], steps + [[]], batch_size=16)
+    assert batched[-1] == [] and [len(b) for b in batched[:-1]] == [len(s) for s in steps]
+    for i, (p, s) in enumerate(zip(prompts, steps)):
+        assert batched[i] == pytest.approx(scorer.score_steps([p], [s])[0], abs=1e-5)
+
+
+def test_likelihood_prm_warm_start_and_head_mismatch(likelihood_prm, prm, backbone, tmp_path):
+    metrics = train_prm(backbone, _prm_examples(1, 20), str(tmp_path / "again"),
+                        PRMParams(max_steps=2, batch_size=16, logging_steps=1, learning_rate=1e-5, head="likelihood"),
+                        init_from_prm=likelihood_prm[0])
+    assert metrics["init"] == "prm" and metrics["calibration_scale"] == pytest.approx(
+        likelihood_prm[1]["calibration_scale"], abs=1e-3)  # starts from the stored calibration
+    with pytest.raises(ValueError, match=r"is a 'classifier' PRM; it cannot warm-start a 'likelihood' one"):
+        train_prm(backbone, _prm_examples(1, 4), str(tmp_path / "x"), PRMParams(max_steps=1, head="likelihood"),
+                  init_from_prm=prm[0])
+    with pytest.raises(ValueError, match=r"lm_weight needs head='likelihood'"):
+        train_prm(backbone, _prm_examples(1, 4), str(tmp_path / "y"), PRMParams(max_steps=1, lm_weight=1.0))
 
 
 def _orm_examples(seed: int, n: int) -> list[dict]:
