@@ -152,6 +152,33 @@ def step_prf(pred: list[float], gold: list[bool], threshold: float = 0.5, positi
     return {"precision": precision, "recall": recall, "f1": f1, "accuracy": accuracy, "n": len(pred)}
 
 
+def step_auc(pred: list[float], gold: list[bool]) -> float:
+    """P(a right step outscores a wrong one), ties counting half: the Mann-Whitney U statistic over all
+    pairs, so the ranking quality best-of-N relies on, free of step_prf's threshold. NaN without both classes.
+
+    >>> step_auc([0.9, 0.8, 0.1, 0.8], [True, True, False, False])
+    0.875
+    >>> step_auc([0.3, 0.3], [True, False]), step_auc([0.5], [True]) != step_auc([0.5], [True])
+    (0.5, True)
+    """
+    if len(pred) != len(gold):
+        raise ValueError(f"step_auc: {len(pred)} step scores but {len(gold)} gold labels")
+    order = sorted(range(len(pred)), key=lambda i: pred[i])
+    ranks, i = [0.0] * len(pred), 0
+    while i < len(order):  # average ranks over ties
+        j = i
+        while j + 1 < len(order) and pred[order[j + 1]] == pred[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    n_pos = sum(bool(g) for g in gold)
+    n_neg = len(gold) - n_pos
+    if not n_pos or not n_neg:
+        return float("nan")
+    return (sum(r for r, g in zip(ranks, gold) if g) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
 def first_error_index(step_ok: list[bool]) -> int:
     """Index of the first wrong step, or -1 if every step is right (ProcessBench's convention).
 
