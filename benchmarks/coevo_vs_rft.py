@@ -8,13 +8,14 @@
 Runs (each `coevo run`, its own process; committed stages are skipped, so a second call only reports):
 - `rft`: configs/arith.yaml as shipped (outcome filter plus the domain's step checker, no reward model;
   8 samples per problem, 6 rounds): the baseline;
-- `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels and a PRM; one draw at a
-  time, up to 4, until a problem has a right answer, DART-Math's rejection sampling; 11 rounds), whose
-  Monte Carlo rollouts count in its budget;
+- `coevo`: configs/arith-coevo.yaml (the same checker, plus Monte Carlo labels and a PRM with the
+  likelihood head; one draw at a time, up to 4, until a problem has a right answer, DART-Math's rejection
+  sampling; 11 rounds), whose Monte Carlo rollouts count in its budget;
 - `rft-until1`: rft with coevo's sampler and rounds: the control that tells a saving from sampling less
   apart from one the reward model brings;
-- on `--only`: `rft-n4` (rft with 4 samples for every problem) and `coevo-n4` (coevo likewise, 6 rounds:
-  arith-coevo.yaml before the sampler).
+- on `--only`: `coevo-cls` (coevo with the classifier PRM head instead of the likelihood head),
+  `rft-n4` (rft with 4 samples for every problem) and `coevo-n4` (coevo likewise, 6 rounds, classifier
+  head: arith-coevo.yaml before the sampler and the likelihood head).
 
 Then, from the store (`v_round_summary`, `evaluations`), it prints:
 1. the budget: cumulative generated tokens (sampling + Monte Carlo rollouts) per round and recipe;
@@ -52,20 +53,24 @@ def _coevo_sampling() -> list[str]:
             f"generate.wave_size={g.wave_size}", f"rounds={cfg.rounds}"]
 
 
+CLASSIFIER = ["train_reward.head=classifier", "train_reward.lm_weight=0"]
 RUNS = {
     "rft": ("configs/arith.yaml", ["experiment=bench-rft"]),
     "coevo": ("configs/arith-coevo.yaml", ["experiment=bench-coevo"]),
     # The control: rft with arith-coevo.yaml's sampler and rounds, so a saving from sampling less is not
     # credited to the reward model.
     "rft-until1": ("configs/arith.yaml", ["experiment=bench-rft-until1", *_coevo_sampling()]),
-    # 4 samples for every problem: rft's control for coevo-n4, arith-coevo.yaml before the sampler.
+    # coevo with the classifier PRM head (TRL's token classification) instead of the likelihood head.
+    "coevo-cls": ("configs/arith-coevo.yaml", ["experiment=bench-coevo-cls", *CLASSIFIER]),
+    # 4 samples for every problem: rft's control for coevo-n4, arith-coevo.yaml before the sampler and the
+    # likelihood head.
     "rft-n4": ("configs/arith.yaml", ["experiment=bench-rft-n4", "generate.samples_per_problem=4"]),
     "coevo-n4": ("configs/arith-coevo.yaml", ["experiment=bench-coevo-n4", "generate.until_correct=null",
-                                              "rounds=6"]),
+                                              "rounds=6", *CLASSIFIER]),
 }
-DEFAULT_ARMS = ["rft", "rft-until1", "coevo"]  # rft-n4 and coevo-n4 run on --only
+DEFAULT_ARMS = ["rft", "rft-until1", "coevo"]  # coevo-cls, rft-n4 and coevo-n4 run on --only
 # Figure 1 compares each coevo arm with the baseline and with its control (the same sampling, no reward model).
-BASELINES = {"coevo": ("rft", "rft-until1"), "coevo-n4": ("rft", "rft-n4")}
+BASELINES = {"coevo": ("rft", "rft-until1"), "coevo-cls": ("rft", "rft-until1"), "coevo-n4": ("rft", "rft-n4")}
 
 
 def _launch(name: str, workdir: Path, rounds: int | None) -> subprocess.Popen:
