@@ -347,7 +347,8 @@ def run_train_reward(spec: StageSpec, out: StageOutputWriter) -> dict[str, float
     init = spec.params.get("init_prm_uri")
     demo_note = f", {n_demos} of them round-0 demonstrations" if n_demos else ""
     log("train_reward", f"PRM on {len(examples)} trajectories ({n_steps} labelled steps, {n_good / n_steps:.0%} good) "
-                        f"from rounds {rounds}{demo_note}; {tr.head} head, init {'previous PRM' if init else 'policy backbone'}")
+                        f"from rounds {rounds}{demo_note}; {tr.head} head, "
+                        f"init {'previous PRM' if init else 'policy backbone'}")
     model_dir = out.artifact_dir("prm")
     prm_metrics = train_prm(spec.params["policy_uri"], examples, str(model_dir),
                             PRMParams(max_steps=tr.steps, batch_size=tr.batch_size, learning_rate=tr.learning_rate,
