@@ -40,6 +40,11 @@ def pad_right(seqs: list[list[int]], pad_id: int):
     return ids, mask
 
 
+def token_logprobs(logits: Any, input_ids: Any) -> Any:
+    """log p(token t | tokens < t) for t >= 1, at index t - 1: (batch, length - 1), in float32."""
+    return logits[:, :-1].float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
 def trainer_kwargs(params: Any, output_dir: str) -> dict[str, Any]:
     """`TrainingArguments` fields common to the PRM and ORM trainers (both are `transformers.Trainer`s)."""
     return dict(

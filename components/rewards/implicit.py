@@ -12,7 +12,7 @@ PRIME's value.
 
 from __future__ import annotations
 
-from components.rewards import device, pad_right
+from components.rewards import device, pad_right, token_logprobs
 from components.rewards.prm import tokenize_steps
 
 
@@ -42,9 +42,7 @@ def implicit_step_rewards(policy_path: str, reference_path: str, prompts: list[s
         ids, mask = pad_right([enc[i][0] for i in idx], tok.pad_token_id)
         ids, mask = ids.to(dev), mask.to(dev)
         with torch.inference_mode():
-            # log p(token t | tokens < t) for t >= 1, at index t - 1.
-            logps = [torch.log_softmax(m(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
-                     .gather(-1, ids[:, 1:, None])[..., 0] for m in (policy, reference)]
+            logps = [token_logprobs(m(input_ids=ids, attention_mask=mask).logits, ids) for m in (policy, reference)]
             ratio = (beta * (logps[0] - logps[1])).cpu()
         for row, i in enumerate(idx):
             # Step j holds tokens (ends[j-1], ends[j]]; token t's log-ratio sits at index t - 1.

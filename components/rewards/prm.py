@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from components.rewards import device, losses, pad_right, save_checkpoint, trainer_kwargs
+from components.rewards import device, losses, pad_right, save_checkpoint, token_logprobs, trainer_kwargs
 
 STEP_SEPARATOR = "\n"  # TRL's PRM default, and the arith/gsm8k step delimiter
 LABELS = {0: "bad", 1: "good"}
@@ -202,10 +202,11 @@ def _prompt_len(tok: Any, prompt: str) -> int:
 
 def _likelihood_step_logits(calibration: Any, logits: Any, input_ids: Any, step_of_token: Any, n_steps: int) -> Any:
     """(batch, n_steps) logits `scale * min log p + bias`, the min over the tokens of each step and the steps
-    before it (`bias` where a row has fewer steps). Token j's log-probability is read from position j - 1."""
+    before it (a row's missing steps repeat its last step's value). Token j's log-probability is read from
+    position j - 1."""
     import torch
 
-    lp = logits[:, :-1].float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    lp = token_logprobs(logits, input_ids)
     seg = step_of_token[:, 1:]
     member = seg[:, None, :] == torch.arange(n_steps, device=seg.device)[None, :, None]
     least = lp[:, None, :].expand(-1, n_steps, -1).masked_fill(~member, float("inf")).amin(-1)
