@@ -9,9 +9,10 @@ that sampled round R (the round's `train_reward` input) and trains it with the e
 `train_reward` settings on what that stage trains on: every round's Monte Carlo labels up to R
 (`components.labeling.prm_examples`) and, with `train_reward.demos`, the round-0 demonstrations. The PRM
 the experiment itself trained in round R is scored beside them (`as run`). On the held-out samples of
-each evaluation round (greedy = sample 0, then N samples): PRM best-of-N by the weakest step, maj@N,
-greedy, pass@N, step F1 of the right-step and the erroneous-step classes against the oracle labels at a
-0.5 threshold, and the step AUC (the chance a right step outscores a wrong one: ranking, threshold-free).
+each evaluation round (greedy = sample 0, then N samples), as the evaluate stage computes them
+(`components.evaluation.reward_metrics`): PRM best-of-N by the weakest step, maj@N, greedy, pass@N, step
+F1 of the right-step and the erroneous-step classes against the oracle labels at a 0.5 threshold, and
+the step AUC (the chance a right step outscores a wrong one: ranking, threshold-free).
 The store is only read, one short connection per query, so it can run beside a benchmark writing to it.
 """
 
@@ -31,7 +32,8 @@ sys.path.insert(0, str(REPO))
 from components.config import ExperimentConfig  # noqa: E402
 from components.domains import get_domain  # noqa: E402
 from components.labeling import prm_examples  # noqa: E402
-from components.reward_eval import best_of_n, majority_at_n, pass_at_n, step_auc, step_prf  # noqa: E402
+from components.evaluation import reward_metrics  # noqa: E402
+from components.reward_eval import step_auc  # noqa: E402
 from components.rewards.prm import PRMParams, PRMScorer, train_prm  # noqa: E402
 from components.store import Store  # noqa: E402
 
@@ -83,7 +85,8 @@ def held_out(store: Store, experiment: str, round: int) -> list[dict]:
             "WHERE t.experiment_id=? AND t.purpose='eval' AND t.round=? AND l.source='oracle'", [experiment, round])[1]:
         oracle[tid][i] = value == 1.0
     rows = store.rows(
-        "SELECT t.trajectory_id, t.problem_id, t.sample_index, t.prompt, t.answer, v.correct FROM trajectories t "
+        "SELECT t.trajectory_id, t.problem_id, t.level, t.sample_index, t.prompt, t.completion, t.answer, v.correct "
+        "FROM trajectories t "
         "JOIN verifications v USING (trajectory_id) WHERE t.experiment_id=? AND t.purpose='eval' AND t.round=?",
         [experiment, round])
     for r in rows:
@@ -93,26 +96,18 @@ def held_out(store: Store, experiment: str, round: int) -> list[dict]:
 
 
 def metrics(rows: list[dict], step_scores: list[list[float]], n: int) -> dict[str, float]:
-    by_problem: dict[str, list[tuple[dict, list[float]]]] = defaultdict(list)
-    for r, s in zip(rows, step_scores):
-        by_problem[r["problem_id"]].append((r, s))
-    greedy, ranked, voted, passed = [], [], [], []
-    for group in by_problem.values():
-        group.sort(key=lambda x: x[0]["sample_index"])
-        greedy.append(float(bool(group[0][0]["correct"])))
-        samples = group[1:n + 1]
-        ranked.append([(min(s) if s else 0.0, bool(r["correct"])) for r, s in samples])
-        voted.append([(r["answer"], bool(r["correct"])) for r, s in samples])
-        passed.append([bool(r["correct"]) for r, _ in samples])
-    pred, gold = [], []
-    for r, s in zip(rows, step_scores):
-        if s and None not in r["oracle"]:
-            pred += s
-            gold += r["oracle"]
-    return {f"bon@{n}": best_of_n(ranked, n), f"maj@{n}": majority_at_n(voted, n),
-            "greedy": sum(greedy) / len(greedy), f"pass@{n}": pass_at_n(passed, n),
-            "step_f1": step_prf(pred, gold)["f1"], "error_f1": step_prf(pred, gold, positive=False)["f1"],
-            "step_auc": step_auc(pred, gold)}
+    """The evaluate stage's numbers (`reward_metrics`, pooled over levels) for these step scores, plus greedy
+    and the step AUC."""
+    oracle = {r["trajectory_id"]: r["oracle"] for r in rows if None not in r["oracle"]}
+    prm_steps = {r["trajectory_id"]: s for r, s in zip(rows, step_scores)}
+    got = {m["metric"]: m["value"] for m in reward_metrics(
+        rows, {r["trajectory_id"]: bool(r["correct"]) for r in rows}, best_of_n=[n], experiment="", round=0,
+        model_id="", prm_steps=prm_steps, oracle=oracle) if m["level"] == -1}
+    greedy = [bool(r["correct"]) for r in rows if r["sample_index"] == 0]
+    labelled = [t for t in prm_steps if t in oracle and len(oracle[t]) == len(prm_steps[t]) and prm_steps[t]]
+    return {f"bon@{n}": got[f"prm_bon_at_{n}"], f"maj@{n}": got[f"maj_at_{n}"], "greedy": sum(greedy) / len(greedy),
+            f"pass@{n}": got[f"pass_at_{n}"], "step_f1": got["prm_step_f1"], "error_f1": got["prm_error_f1"],
+            "step_auc": step_auc([v for t in labelled for v in prm_steps[t]], [v for t in labelled for v in oracle[t]])}
 
 
 def main() -> None:
