@@ -69,7 +69,8 @@ def _client(tracking_uri: str):
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def known_experiments(client) -> list[str]:
+def mlflow_experiments(client) -> list[str]:
+    """The coevo experiments that have runs in MLflow (the store's own list is `Store.experiments`)."""
     ids = [e.experiment_id for e in client.search_experiments()]
     if not ids:
         return []
@@ -85,7 +86,7 @@ def experiment_rounds(client, experiment: str, metric: str) -> ExperimentRounds:
     runs = client.search_runs(ids, filter_string=f"tags.`{TAG_EXPERIMENT}` = '{experiment}'", max_results=5000) if ids else []
     rounds = [r for r in runs if r.data.tags.get(TAG_ROUND, "all") != "all"]
     if not runs:
-        known = known_experiments(client)
+        known = mlflow_experiments(client)
         raise CompareError(f"unknown experiment {experiment!r} in MLflow; known: {', '.join(known) or 'none'}")
     out = ExperimentRounds(experiment)
     per_level = re.compile(re.escape(metric) + r"_L(\d+)$")

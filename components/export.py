@@ -14,24 +14,13 @@ import json
 import shutil
 from pathlib import Path
 
-from components.store import Store, StoreError
+from components.store import Store, StoreError, experiment_filter
 
 # Table -> how its rows belong to an experiment (a SQL condition with one `?` for the experiment id).
-_PER_TRAJECTORY = "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ?)"
-TABLES: dict[str, str] = {
-    "experiments": "experiment_id = ?",
-    "stage_runs": "experiment_id = ?",
-    "round_plans": "experiment_id = ?",
-    "problems": "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)",
-    "trajectories": "experiment_id = ?",
-    "steps": _PER_TRAJECTORY,
-    "verifications": _PER_TRAJECTORY,
-    "step_labels": _PER_TRAJECTORY,
-    "scores": _PER_TRAJECTORY,
-    "selections": "experiment_id = ?",
-    "models": "experiment_id = ?",
-    "evaluations": "experiment_id = ?",
-}
+TABLES: dict[str, str] = {t: experiment_filter(t) for t in (
+    "experiments", "stage_runs", "round_plans", "problems", "trajectories", "steps", "verifications", "step_labels",
+    "scores", "selections", "models", "evaluations",
+)}
 FORMATS = ("parquet", "hf")
 
 
@@ -39,13 +28,9 @@ class ExportError(ValueError):
     """Unknown experiment or format, or an output folder that is not ours to overwrite."""
 
 
-def known_experiments(store: Store) -> list[str]:
-    return [r[0] for r in store.query("SELECT experiment_id FROM experiments ORDER BY 1")[1]]
-
-
 def read_tables(store: Store, experiment: str) -> dict:
     """Arrow tables of the experiment, one per store table (empty tables keep their schema)."""
-    known = known_experiments(store)
+    known = store.experiments()
     if experiment not in known:
         raise ExportError(f"unknown experiment {experiment!r} in {store.path}; known: {', '.join(known) or 'none'}")
     # One read-only connection for all tables; `to_arrow_table` materialises before it closes.

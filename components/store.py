@@ -4,6 +4,8 @@
     store = Store("workdir/coevo.duckdb")
     store.query("SELECT * FROM v_round_summary")
 
+Its tables are declared once, in `components.tables`; this module turns them into DuckDB DDL.
+
 DuckDB lets no other process open the file while a read-write connection is held, readers included.
 So the writer (the flow) connects only for the moment of a commit, and readers open read-only and
 retry briefly on the lock. Stage jobs never open this file: they read committed Parquet.
@@ -23,159 +25,37 @@ from typing import Any
 import duckdb
 
 from components.manifest import Manifest, ManifestError, verify_manifest
+from components.tables import DATA_TABLES, SCHEMAS, TABLES, Table
 
-# Columns are decided here even for tables that later stages fill (reward models, DPO pairs).
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS experiments (
-    experiment_id  VARCHAR PRIMARY KEY,
-    config_json    VARCHAR NOT NULL,
-    config_hash    VARCHAR NOT NULL,
-    seed           BIGINT NOT NULL,
-    recipe         VARCHAR NOT NULL,
-    code_version   VARCHAR,
-    created_at     TIMESTAMP DEFAULT current_timestamp
-);
-CREATE TABLE IF NOT EXISTS stage_runs (
-    stage_run_id     VARCHAR PRIMARY KEY,   -- <experiment>/r<round>/<stage>/a<attempt>
-    experiment_id    VARCHAR NOT NULL,
-    round            INTEGER NOT NULL,
-    stage            VARCHAR NOT NULL,
-    attempt          INTEGER NOT NULL,
-    status           VARCHAR NOT NULL,      -- running | committed | failed | superseded
-    stale            BOOLEAN DEFAULT false, -- an upstream stage of the round was rerun after this committed
-    out_dir          VARCHAR,
-    spec_json        VARCHAR,
-    manifest_sha256  VARCHAR,
-    config_hash      VARCHAR,
-    seed             BIGINT,
-    rows_json        VARCHAR,
-    metrics_json     VARCHAR,
-    started_at       TIMESTAMP,
-    finished_at      TIMESTAMP,
-    duration_s       DOUBLE,
-    error            VARCHAR,
-    pid              INTEGER,
-    mlflow_run_id    VARCHAR,
-    prefect_task_run_id VARCHAR
-);
-CREATE TABLE IF NOT EXISTS problems (
-    problem_id  VARCHAR PRIMARY KEY,        -- content hash
-    domain      VARCHAR NOT NULL,
-    level       INTEGER,
-    prompt      VARCHAR NOT NULL,
-    answer      VARCHAR NOT NULL,
-    meta_json   VARCHAR,
-    split       VARCHAR                      -- train | test
-);
-CREATE TABLE IF NOT EXISTS trajectories (
-    trajectory_id   VARCHAR PRIMARY KEY,
-    experiment_id   VARCHAR NOT NULL,
-    round           INTEGER NOT NULL,
-    purpose         VARCHAR NOT NULL,        -- train (generate stage) | eval (evaluate stage)
-    problem_id      VARCHAR NOT NULL,
-    level           INTEGER,
-    policy_model_id VARCHAR,
-    sample_index    INTEGER NOT NULL,
-    prompt          VARCHAR NOT NULL,
-    completion      VARCHAR NOT NULL,
-    answer          VARCHAR,                 -- extracted final answer, NULL if none
-    num_tokens      INTEGER NOT NULL,
-    finish_reason   VARCHAR,
-    temperature     DOUBLE,
-    top_p           DOUBLE,
-    max_new_tokens  INTEGER,
-    seed            BIGINT,
-    stage_run_id    VARCHAR NOT NULL
-);
-CREATE TABLE IF NOT EXISTS steps (
-    trajectory_id VARCHAR NOT NULL,
-    step_index    INTEGER NOT NULL,
-    text          VARCHAR NOT NULL,
-    stage_run_id  VARCHAR NOT NULL,
-    PRIMARY KEY (trajectory_id, step_index)
-);
-CREATE TABLE IF NOT EXISTS verifications (
-    trajectory_id    VARCHAR NOT NULL,
-    verifier         VARCHAR NOT NULL,
-    verifier_version VARCHAR NOT NULL,
-    correct          BOOLEAN,                -- NULL: verifier not applicable
-    reward           DOUBLE,
-    detail           VARCHAR,
-    stage_run_id     VARCHAR NOT NULL,
-    PRIMARY KEY (trajectory_id, verifier)
-);
-CREATE TABLE IF NOT EXISTS step_labels (
-    trajectory_id VARCHAR NOT NULL,
-    step_index    INTEGER NOT NULL,
-    source        VARCHAR NOT NULL,          -- mc_hard | mc_soft | oracle | judge | implicit
-    value         DOUBLE NOT NULL,
-    num_rollouts  INTEGER,
-    stage_run_id  VARCHAR NOT NULL,
-    PRIMARY KEY (trajectory_id, step_index, source)
-);
-CREATE TABLE IF NOT EXISTS scores (
-    trajectory_id  VARCHAR NOT NULL,
-    scorer         VARCHAR NOT NULL,         -- outcome | prm | orm | implicit_prm
-    model_id       VARCHAR,                  -- reward model version, NULL for the verifier outcome
-    step_index     INTEGER NOT NULL,         -- -1: the whole trajectory
-    aggregate      VARCHAR NOT NULL,         -- step | min | last | mean | outcome
-    value          DOUBLE NOT NULL,
-    stage_run_id   VARCHAR NOT NULL,
-    PRIMARY KEY (trajectory_id, scorer, step_index, aggregate)
-);
-CREATE TABLE IF NOT EXISTS selections (
-    trajectory_id VARCHAR NOT NULL,
-    experiment_id VARCHAR NOT NULL,
-    round         INTEGER NOT NULL,
-    purpose       VARCHAR NOT NULL,          -- policy_sft | dpo_chosen | dpo_rejected | reward_train
-    selected      BOOLEAN NOT NULL,
-    rank          INTEGER,
-    reason        VARCHAR NOT NULL,
-    pair_id       VARCHAR,
-    stage_run_id  VARCHAR NOT NULL,
-    PRIMARY KEY (trajectory_id, purpose)
-);
-CREATE TABLE IF NOT EXISTS models (
-    model_id         VARCHAR PRIMARY KEY,    -- <experiment>/<role>/r<round>
-    experiment_id    VARCHAR NOT NULL,
-    role             VARCHAR NOT NULL,       -- policy | prm | orm
-    round            INTEGER NOT NULL,
-    uri              VARCHAR NOT NULL,
-    sha256           VARCHAR NOT NULL,
-    parent_model_id  VARCHAR,
-    train_examples   INTEGER,
-    mlflow_run_id    VARCHAR,
-    registered_name  VARCHAR,
-    registered_version VARCHAR,
-    stage_run_id     VARCHAR NOT NULL
-);
-CREATE TABLE IF NOT EXISTS model_inputs (   -- exactly which trajectories trained which model
-    model_id      VARCHAR NOT NULL,
-    trajectory_id VARCHAR NOT NULL,
-    source_round  INTEGER NOT NULL,          -- the round whose selection it came from
-    use           VARCHAR NOT NULL,          -- new | replay | dpo_chosen | dpo_rejected
-    stage_run_id  VARCHAR NOT NULL,
-    PRIMARY KEY (model_id, trajectory_id)
-);
-CREATE TABLE IF NOT EXISTS evaluations (
-    experiment_id VARCHAR NOT NULL,
-    round         INTEGER NOT NULL,
-    model_id      VARCHAR NOT NULL,
-    level         INTEGER NOT NULL,          -- -1: all levels
-    metric        VARCHAR NOT NULL,          -- greedy_acc | maj_at_<k> | pass_at_<k> | ...
-    value         DOUBLE NOT NULL,
-    n             INTEGER NOT NULL,
-    stage_run_id  VARCHAR NOT NULL,
-    PRIMARY KEY (experiment_id, round, level, metric)
-);
-CREATE TABLE IF NOT EXISTS round_plans (
-    experiment_id VARCHAR NOT NULL,
-    round         INTEGER NOT NULL,
-    levels_json   VARCHAR NOT NULL,          -- curriculum decision for the round
-    reason        VARCHAR,
-    PRIMARY KEY (experiment_id, round)
-);
-"""
+# DuckDB's name for each Arrow type a table declares.
+_DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE", "bool": "BOOLEAN",
+                 "timestamp[us]": "TIMESTAMP"}
+
+
+def create_table_sql(table: Table) -> str:
+    """The table's CREATE TABLE statement, from its declaration in `components.tables`.
+
+    A one-column key is written `PRIMARY KEY` on its column, a compound one as a closing PRIMARY KEY
+    clause over NOT NULL columns: the forms every older store was created in (`duckdb_constraints()`
+    tells them apart).
+    """
+    inline_key = table.key[0] if len(table.key) == 1 else None
+    lines = []
+    for c in table.columns:
+        line = f"{c.name} {_DUCKDB_TYPES[str(c.type)]}"
+        if c.name == inline_key:
+            line += " PRIMARY KEY"
+        elif not c.nullable:
+            line += " NOT NULL"
+        if c.default is not None:
+            line += f" DEFAULT {c.default}"
+        lines.append(line)
+    if inline_key is None:
+        lines.append(f"PRIMARY KEY ({', '.join(table.key)})")
+    return f"CREATE TABLE IF NOT EXISTS {table.name} (\n    " + ",\n    ".join(lines) + "\n);"
+
+
+SCHEMA = "\n".join(create_table_sql(t) for t in TABLES.values())
 
 VIEWS = """
 CREATE OR REPLACE VIEW v_round_summary AS
@@ -276,11 +156,6 @@ LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selecte
                            WHEN mi.use LIKE 'dpo_%' THEN mi.use ELSE 'policy_sft' END;
 """
 
-# Data tables carry stage_run_id; a commit replaces the rows of the superseded attempt.
-DATA_TABLES = (
-    "problems", "trajectories", "steps", "verifications", "step_labels",
-    "scores", "selections", "models", "model_inputs", "evaluations",
-)
 _WRITE_SQL = re.compile(
     r"^\s*(insert|update|delete|create|drop|alter|copy|attach|detach|install|load|pragma|set|call|checkpoint"
     r"|vacuum|export|import|truncate|begin|commit|rollback|merge|replace)\b",
@@ -408,6 +283,72 @@ class Store:
         )
         return int(rows[0][0]) + 1
 
+    # Named reads, so that flows and components hold no SQL. Each returns empty (None, [] or {})
+    # where the store does not exist yet.
+    def experiments(self) -> list[str]:
+        """The experiment ids in the store, sorted."""
+        if not self.path.exists():
+            return []
+        return [r[0] for r in self.query("SELECT experiment_id FROM experiments ORDER BY experiment_id")[1]]
+
+    def round_plan(self, experiment: str, round: int) -> list[int] | None:
+        """The curriculum levels `set_round_plan` stored for the round, or None."""
+        if not self.path.exists():
+            return None
+        rows = self.query("SELECT levels_json FROM round_plans WHERE experiment_id=? AND round=?",
+                          [experiment, round])[1]
+        return json.loads(rows[0][0]) if rows else None
+
+    def committed_model(self, experiment: str, round: int, role: str = "policy") -> dict[str, Any] | None:
+        """The `models` row of the round's committed model in that role, or None."""
+        if not self.path.exists():
+            return None
+        rows = self.rows(
+            "SELECT m.* FROM models m JOIN stage_runs s USING (stage_run_id) "
+            "WHERE m.experiment_id=? AND m.round=? AND m.role=? AND s.status='committed'",
+            [experiment, round, role],
+        )
+        return rows[0] if rows else None
+
+    def level_pass_rates(self, experiment: str, round: int) -> dict[int, float]:
+        """{level: held-out greedy accuracy} from the round's committed evaluation; {} if none."""
+        if not self.path.exists():
+            return {}
+        rows = self.query(
+            "SELECT e.level, e.value FROM evaluations e JOIN stage_runs s USING (stage_run_id) "
+            "WHERE e.experiment_id=? AND e.round=? AND e.metric='greedy_acc' AND e.level >= 0 "
+            "AND s.status='committed' ORDER BY e.level",
+            [experiment, round],
+        )[1]
+        return {int(level): float(value) for level, value in rows}
+
+    def evaluations(self, experiment: str) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return self.rows("SELECT * FROM evaluations WHERE experiment_id=? ORDER BY round, level, metric", [experiment])
+
+    def round_summary(self, experiment: str, round: int | None = None) -> list[dict[str, Any]]:
+        """`v_round_summary` rows of the experiment: the one round, or every round in order."""
+        if not self.path.exists():
+            return []
+        if round is not None:
+            return self.rows("SELECT * FROM v_round_summary WHERE experiment_id=? AND round=?", [experiment, round])
+        return self.rows("SELECT * FROM v_round_summary WHERE experiment_id=? ORDER BY round", [experiment])
+
+    def stage_timings(self, experiment: str, round: int) -> list[dict[str, Any]]:
+        """Stage name and duration of the round's committed stage runs, in the order they started."""
+        if not self.path.exists():
+            return []
+        return self.rows("SELECT stage, duration_s FROM stage_runs WHERE experiment_id=? AND round=? "
+                         "AND status='committed' ORDER BY started_at", [experiment, round])
+
+    def round_models(self, experiment: str, round: int) -> list[dict[str, Any]]:
+        """The models the round trained, one row per role, in role order."""
+        if not self.path.exists():
+            return []
+        return self.rows("SELECT model_id, role, uri, stage_run_id, train_examples FROM models "
+                         "WHERE experiment_id=? AND round=? ORDER BY role", [experiment, round])
+
     def table_hashes(self, experiment: str) -> dict[str, tuple[int, str]]:
         """(row count, content hash) per data table for one experiment, independent of attempt numbers."""
         out = {}
@@ -416,7 +357,7 @@ class Store:
                 # Attempt-specific columns (which attempt, where its files lie) are not content.
                 cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()
                         if r[0] not in ("stage_run_id", "uri")]
-                where = _experiment_filter(table)
+                where = experiment_filter(table)
                 col_list = ", ".join(cols)
                 n, h = con.execute(
                     f"SELECT count(*), coalesce(md5(string_agg(CAST(row({col_list}) AS VARCHAR), '|' "
@@ -515,8 +456,9 @@ class Store:
                     [ref.experiment, ref.round, ref.stage, ref.stage_run_id],
                 ).fetchall()
                 for (old_id,) in prev:
+                    # Problems carry no stage run: they are shared by every run that drew them, and stay.
                     for table in DATA_TABLES:
-                        if table != "problems":
+                        if "stage_run_id" in TABLES[table].names:
                             con.execute(f"DELETE FROM {table} WHERE stage_run_id = ?", [old_id])
                     con.execute("UPDATE stage_runs SET status='superseded' WHERE stage_run_id=?", [old_id])
                 for out in manifest.outputs:
@@ -524,15 +466,13 @@ class Store:
                     table = out["table"]
                     if table not in DATA_TABLES:
                         raise ManifestError(f"{manifest_path}: unknown output table {table!r}")
-                    cols = [r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()]
-                    src_cols = [c for c in cols if c != "stage_run_id"]
-                    select = ", ".join(src_cols)
-                    verb = "INSERT OR IGNORE" if table == "problems" else "INSERT"
-                    con.execute(
-                        f"{verb} INTO {table} ({select}, stage_run_id) "
-                        f"SELECT {select}, ? FROM read_parquet(?)",
-                        [ref.stage_run_id, part],
-                    )
+                    select = ", ".join(SCHEMAS[table].names)
+                    if "stage_run_id" in TABLES[table].names:
+                        con.execute(f"INSERT INTO {table} ({select}, stage_run_id) "
+                                    f"SELECT {select}, ? FROM read_parquet(?)", [ref.stage_run_id, part])
+                    else:  # problems: a problem another run already drew is kept as it is
+                        con.execute(f"INSERT OR IGNORE INTO {table} ({select}) SELECT {select} FROM read_parquet(?)",
+                                    [part])
                 con.execute(
                     "UPDATE stage_runs SET status='committed', stale=false, manifest_sha256=?, rows_json=?, "
                     "metrics_json=?, finished_at=now(), duration_s=?, pid=?, mlflow_run_id=coalesce(?, mlflow_run_id), "
@@ -569,9 +509,10 @@ class Store:
             )
 
 
-def _experiment_filter(table: str) -> str:
+def experiment_filter(table: str) -> str:
+    """A SQL condition, with one `?` for the experiment id, that picks the table's rows of one experiment."""
     if table == "problems":
-        return ("problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)")
+        return "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)"
     if table == "model_inputs":
         return "model_id IN (SELECT model_id FROM models WHERE experiment_id = ?)"
     if table in ("steps", "verifications", "step_labels", "scores"):

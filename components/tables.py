@@ -1,61 +1,232 @@
-"""Arrow schemas of the rows stage jobs write; each mirrors a store table without `stage_run_id`.
+"""Every store table, declared once: its columns (Arrow type, nullability) and its key.
 
-Fixed schemas (rather than inferred ones) keep Parquet bytes identical across runs and make a job
-that produces a wrong column fail in the job, not at commit.
+    from components.tables import TABLES, to_table
+    to_table("steps", [{"trajectory_id": "t", "step_index": 0, "text": "1+1=2"}])
+
+The store builds its DuckDB tables from these declarations (`components.store`), and stage jobs
+write Parquet with the Arrow schemas derived from them (`SCHEMAS`). Fixed schemas (rather than
+inferred ones) keep Parquet bytes identical across runs and make a job that produces a wrong column
+fail in the job, not at commit. Columns are decided here even for tables that later stages fill
+(reward models, DPO pairs).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-SCHEMAS: dict[str, pa.Schema] = {
-    "problems": pa.schema([
-        ("problem_id", pa.string()), ("domain", pa.string()), ("level", pa.int32()), ("prompt", pa.string()),
-        ("answer", pa.string()), ("meta_json", pa.string()), ("split", pa.string()),
-    ]),
-    "trajectories": pa.schema([
-        ("trajectory_id", pa.string()), ("experiment_id", pa.string()), ("round", pa.int32()),
-        ("purpose", pa.string()), ("problem_id", pa.string()), ("level", pa.int32()),
-        ("policy_model_id", pa.string()), ("sample_index", pa.int32()), ("prompt", pa.string()),
-        ("completion", pa.string()), ("answer", pa.string()), ("num_tokens", pa.int32()),
-        ("finish_reason", pa.string()), ("temperature", pa.float64()), ("top_p", pa.float64()),
-        ("max_new_tokens", pa.int32()), ("seed", pa.int64()),
-    ]),
-    "steps": pa.schema([("trajectory_id", pa.string()), ("step_index", pa.int32()), ("text", pa.string())]),
-    "verifications": pa.schema([
-        ("trajectory_id", pa.string()), ("verifier", pa.string()), ("verifier_version", pa.string()),
-        ("correct", pa.bool_()), ("reward", pa.float64()), ("detail", pa.string()),
-    ]),
-    "step_labels": pa.schema([
-        ("trajectory_id", pa.string()), ("step_index", pa.int32()), ("source", pa.string()),
-        ("value", pa.float64()), ("num_rollouts", pa.int32()),
-    ]),
-    "scores": pa.schema([
-        ("trajectory_id", pa.string()), ("scorer", pa.string()), ("model_id", pa.string()),
-        ("step_index", pa.int32()), ("aggregate", pa.string()), ("value", pa.float64()),
-    ]),
-    "selections": pa.schema([
-        ("trajectory_id", pa.string()), ("experiment_id", pa.string()), ("round", pa.int32()),
-        ("purpose", pa.string()), ("selected", pa.bool_()), ("rank", pa.int32()), ("reason", pa.string()),
-        ("pair_id", pa.string()),
-    ]),
-    "models": pa.schema([
-        ("model_id", pa.string()), ("experiment_id", pa.string()), ("role", pa.string()), ("round", pa.int32()),
-        ("uri", pa.string()), ("sha256", pa.string()), ("parent_model_id", pa.string()),
-        ("train_examples", pa.int32()), ("mlflow_run_id", pa.string()), ("registered_name", pa.string()),
-        ("registered_version", pa.string()),
-    ]),
-    "model_inputs": pa.schema([
-        ("model_id", pa.string()), ("trajectory_id", pa.string()), ("source_round", pa.int32()),
-        ("use", pa.string()),
-    ]),
-    "evaluations": pa.schema([
-        ("experiment_id", pa.string()), ("round", pa.int32()), ("model_id", pa.string()), ("level", pa.int32()),
-        ("metric", pa.string()), ("value", pa.float64()), ("n", pa.int32()),
-    ]),
-}
+STR, INT, BIGINT, FLOAT, BOOL, TIME = pa.string(), pa.int32(), pa.int64(), pa.float64(), pa.bool_(), pa.timestamp("us")
+
+
+class Column(NamedTuple):
+    name: str
+    type: pa.DataType
+    nullable: bool = True
+    default: str | None = None  # a DuckDB expression, for columns the store fills itself
+
+
+def col(name: str, type: pa.DataType, *, null: bool = True, default: str | None = None) -> Column:
+    return Column(name, type, null, default)
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    columns: tuple[Column, ...]
+    key: tuple[str, ...]
+    # Written by stage jobs as Parquet (every column but `stage_run_id`, which the commit fills) and
+    # ingested by `Store.commit`.
+    job_output: bool = True
+
+    def __post_init__(self):
+        names = [c.name for c in self.columns]
+        nullable_key = [c.name for c in self.columns if c.name in self.key and c.nullable]
+        if set(self.key) - set(names) or nullable_key:
+            raise ValueError(f"table {self.name}: key {self.key} must name non-null columns of {names}")
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def arrow_schema(self) -> pa.Schema:
+        # Every field stays nullable: NOT NULL is the store's to enforce, at commit.
+        return pa.schema([(c.name, c.type) for c in self.columns if c.name != "stage_run_id"])
+
+
+def _table(name: str, key: tuple[str, ...], *columns: Column, job_output: bool = True) -> Table:
+    return Table(name, columns, key, job_output)
+
+
+_STAGE_RUN = col("stage_run_id", STR, null=False)
+
+# Column order is the store's (`SELECT *`, and the row hashes of `Store.table_hashes`): reorder nothing.
+# The store runs CREATE TABLE IF NOT EXISTS, so a column added here does not reach an existing store.
+TABLES: dict[str, Table] = {t.name: t for t in [
+    _table(
+        "experiments", ("experiment_id",),
+        col("experiment_id", STR, null=False),
+        col("config_json", STR, null=False),
+        col("config_hash", STR, null=False),
+        col("seed", BIGINT, null=False),
+        col("recipe", STR, null=False),
+        col("code_version", STR),
+        col("created_at", TIME, default="current_timestamp"),
+        job_output=False,
+    ),
+    _table(
+        "stage_runs", ("stage_run_id",),
+        col("stage_run_id", STR, null=False),  # <experiment>/r<round>/<stage>/a<attempt>
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("stage", STR, null=False),
+        col("attempt", INT, null=False),
+        col("status", STR, null=False),  # running | committed | failed | superseded
+        col("stale", BOOL, default="false"),  # an upstream stage of the round was rerun after this committed
+        col("out_dir", STR),
+        col("spec_json", STR),
+        col("manifest_sha256", STR),
+        col("config_hash", STR),
+        col("seed", BIGINT),
+        col("rows_json", STR),
+        col("metrics_json", STR),
+        col("started_at", TIME),
+        col("finished_at", TIME),
+        col("duration_s", FLOAT),
+        col("error", STR),
+        col("pid", INT),
+        col("mlflow_run_id", STR),
+        col("prefect_task_run_id", STR),
+        job_output=False,
+    ),
+    _table(
+        "problems", ("problem_id",),
+        col("problem_id", STR, null=False),  # content hash
+        col("domain", STR, null=False),
+        col("level", INT),
+        col("prompt", STR, null=False),
+        col("answer", STR, null=False),
+        col("meta_json", STR),
+        col("split", STR),  # train | test; no stage_run_id: a problem is shared by every run that draws it
+    ),
+    _table(
+        "trajectories", ("trajectory_id",),
+        col("trajectory_id", STR, null=False),
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("purpose", STR, null=False),  # train (generate stage) | eval (evaluate stage)
+        col("problem_id", STR, null=False),
+        col("level", INT),
+        col("policy_model_id", STR),
+        col("sample_index", INT, null=False),
+        col("prompt", STR, null=False),
+        col("completion", STR, null=False),
+        col("answer", STR),  # extracted final answer, NULL if none
+        col("num_tokens", INT, null=False),
+        col("finish_reason", STR),
+        col("temperature", FLOAT),
+        col("top_p", FLOAT),
+        col("max_new_tokens", INT),
+        col("seed", BIGINT),
+        _STAGE_RUN,
+    ),
+    _table(
+        "steps", ("trajectory_id", "step_index"),
+        col("trajectory_id", STR, null=False),
+        col("step_index", INT, null=False),
+        col("text", STR, null=False),
+        _STAGE_RUN,
+    ),
+    _table(
+        "verifications", ("trajectory_id", "verifier"),
+        col("trajectory_id", STR, null=False),
+        col("verifier", STR, null=False),
+        col("verifier_version", STR, null=False),
+        col("correct", BOOL),  # NULL: verifier not applicable
+        col("reward", FLOAT),
+        col("detail", STR),
+        _STAGE_RUN,
+    ),
+    _table(
+        "step_labels", ("trajectory_id", "step_index", "source"),
+        col("trajectory_id", STR, null=False),
+        col("step_index", INT, null=False),
+        col("source", STR, null=False),  # mc_hard | mc_soft | oracle | judge | implicit
+        col("value", FLOAT, null=False),
+        col("num_rollouts", INT),
+        _STAGE_RUN,
+    ),
+    _table(
+        "scores", ("trajectory_id", "scorer", "step_index", "aggregate"),
+        col("trajectory_id", STR, null=False),
+        col("scorer", STR, null=False),  # outcome | prm | orm | implicit_prm
+        col("model_id", STR),  # reward model version, NULL for the verifier outcome
+        col("step_index", INT, null=False),  # -1: the whole trajectory
+        col("aggregate", STR, null=False),  # step | min | last | mean | outcome
+        col("value", FLOAT, null=False),
+        _STAGE_RUN,
+    ),
+    _table(
+        "selections", ("trajectory_id", "purpose"),
+        col("trajectory_id", STR, null=False),
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("purpose", STR, null=False),  # policy_sft | dpo_chosen | dpo_rejected | reward_train
+        col("selected", BOOL, null=False),
+        col("rank", INT),
+        col("reason", STR, null=False),
+        col("pair_id", STR),
+        _STAGE_RUN,
+    ),
+    _table(
+        "models", ("model_id",),
+        col("model_id", STR, null=False),  # <experiment>/<role>/r<round>
+        col("experiment_id", STR, null=False),
+        col("role", STR, null=False),  # policy | prm | orm
+        col("round", INT, null=False),
+        col("uri", STR, null=False),
+        col("sha256", STR, null=False),
+        col("parent_model_id", STR),
+        col("train_examples", INT),
+        col("mlflow_run_id", STR),
+        col("registered_name", STR),
+        col("registered_version", STR),
+        _STAGE_RUN,
+    ),
+    _table(
+        # Exactly which trajectories trained which model.
+        "model_inputs", ("model_id", "trajectory_id"),
+        col("model_id", STR, null=False),
+        col("trajectory_id", STR, null=False),
+        col("source_round", INT, null=False),  # the round whose selection it came from
+        col("use", STR, null=False),  # new | replay | dpo_chosen | dpo_rejected
+        _STAGE_RUN,
+    ),
+    _table(
+        "evaluations", ("experiment_id", "round", "level", "metric"),
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("model_id", STR, null=False),
+        col("level", INT, null=False),  # -1: all levels
+        col("metric", STR, null=False),  # greedy_acc | maj_at_<k> | pass_at_<k> | ...
+        col("value", FLOAT, null=False),
+        col("n", INT, null=False),
+        _STAGE_RUN,
+    ),
+    _table(
+        "round_plans", ("experiment_id", "round"),
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("levels_json", STR, null=False),  # curriculum decision for the round
+        col("reason", STR),
+        job_output=False,
+    ),
+]}
+
+# A commit ingests these and replaces the rows of the superseded attempt (problems are only added).
+DATA_TABLES: tuple[str, ...] = tuple(name for name, t in TABLES.items() if t.job_output)
+SCHEMAS: dict[str, pa.Schema] = {name: TABLES[name].arrow_schema() for name in DATA_TABLES}
 
 
 def to_table(name: str, rows: list[dict[str, Any]]) -> pa.Table:
