@@ -72,11 +72,11 @@ def generate_until_correct(
 ) -> tuple[GeneratedBatch, dict[str, float]]:
     """Rejection sampling in waves (DART-Math): each wave draws `wave_size` more samples for every problem
     with fewer than `want` right answers (by `verifier`, the verify stage's function and rule), until `n` per
-    problem are drawn. Wave 0 is `generate` at `seed`; wave w > 0 at `derive_seed(seed, w)`. Sample
+    problem are drawn. Wave 0 is `generate` at `seed`; wave w > 0 at `seed_stream(seed, w)`. Sample
     indices run on across waves, so trajectory ids are those of the plain draw where they overlap.
 
     Returns the batch and per-wave statistics (problems drawn for, tokens)."""
-    from components.models.backends import derive_seed
+    from components.seeding import seed_stream
     from components.verification import verify
 
     right = dict.fromkeys((p.problem_id for p in problems), 0)
@@ -88,7 +88,7 @@ def generate_until_correct(
     w = 0
     while pending and drawn < n:
         k = min(wave_size, n - drawn)
-        b = generate(domain, backend, pending, n=k, seed=seed if w == 0 else derive_seed(seed, w),
+        b = generate(domain, backend, pending, n=k, seed=seed if w == 0 else seed_stream(seed, w),
                      first_sample_index=drawn, **kw)
         answers = {p.problem_id: p.answer for p in pending}
         for t, v in zip(b.trajectories, verify(b.trajectories, answers, verifier, name="until_correct", version=""),

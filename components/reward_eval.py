@@ -15,6 +15,8 @@ import math
 from collections import Counter
 from typing import Sequence, TypeVar
 
+from components.labeling import first_error
+
 T = TypeVar("T")
 
 
@@ -179,17 +181,6 @@ def step_auc(pred: list[float], gold: list[bool]) -> float:
     return (sum(r for r, g in zip(ranks, gold) if g) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
-def first_error_index(step_ok: list[bool]) -> int:
-    """Index of the first wrong step, or -1 if every step is right (ProcessBench's convention).
-
-    >>> first_error_index([True, True, False, False])
-    2
-    >>> first_error_index([True, True])
-    -1
-    """
-    return next((i for i, ok in enumerate(step_ok) if not ok), -1)
-
-
 def processbench(pred_steps: list[list[float]], gold_steps: list[list[bool]], threshold: float = 0.5) -> dict[str, float]:
     """ProcessBench (Zheng et al. 2024, https://arxiv.org/abs/2412.06559): does the PRM find the FIRST error?
 
@@ -209,8 +200,8 @@ def processbench(pred_steps: list[list[float]], gold_steps: list[list[bool]], th
     for i, (pred, gold) in enumerate(zip(pred_steps, gold_steps)):
         if len(pred) != len(gold):
             raise ValueError(f"processbench: trajectory {i} has {len(pred)} step scores but {len(gold)} gold labels")
-        want = first_error_index(gold)
-        got = first_error_index([s >= threshold for s in pred])
+        want = first_error(gold)
+        got = first_error([s >= threshold for s in pred])
         hits[want != -1].append(got == want)
     err, ok = hits[True], hits[False]
     acc_err, acc_ok = _ratio(sum(err), len(err)), _ratio(sum(ok), len(ok))

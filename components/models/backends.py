@@ -11,12 +11,13 @@ greedy decoding.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from components.seeding import seed_stream
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,6 @@ class Sample:
 class GenerationBackend(Protocol):
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]: ...
-
-
-def derive_seed(seed: int, *keys: int) -> int:
-    """A 31-bit seed per (seed, keys): hashing keeps seed s, batch 1 apart from seed s+1, batch 0, so
-    two calls with neighbouring seeds (greedy eval at s, sampling at s+1) share no noise.
-
-    >>> derive_seed(0, 1) == derive_seed(1, 0), derive_seed(0, 1) == derive_seed(0, 1)
-    (False, True)
-    """
-    digest = hashlib.sha256(":".join(map(str, (seed, *keys))).encode()).digest()
-    return int.from_bytes(digest[:4], "little") >> 1
 
 
 def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, bool]:
@@ -107,7 +97,7 @@ class HFBackend:
             idx = order[b * self.batch_size:(b + 1) * self.batch_size]
             enc = tok.pad({"input_ids": [prompt_ids[flat[k][0]] for k in idx]}, return_tensors="pt").to(device)
             with torch.random.fork_rng(devices=rng_devices), torch.inference_mode():
-                torch.manual_seed(derive_seed(seed, b))
+                torch.manual_seed(seed_stream(seed, b))
                 gen = self.model.generate(**enc, **kw)
             for k, ids in zip(idx, gen[:, enc["input_ids"].shape[1]:].tolist(), strict=True):
                 out[k] = self._sample(ids, stop)
@@ -156,7 +146,7 @@ class VLLMBackend:
 
         stop = self.stop if stop is None else stop
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                 max_tokens=max_new_tokens, seed=derive_seed(seed, i), stop=stop)
+                                 max_tokens=max_new_tokens, seed=seed_stream(seed, i), stop=stop)
                   for i in range(len(prompts))]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[Sample(c.text, len(c.token_ids), "stop" if c.finish_reason == "stop" else "length")
@@ -182,7 +172,7 @@ class OpenAIBackend:
 
         def one(i: int) -> list[Sample]:
             body = {"model": self.model, "prompt": prompts[i], "n": n, "temperature": temperature,
-                    "top_p": top_p, "max_tokens": max_new_tokens, "seed": derive_seed(seed, i), "logprobs": 0}
+                    "top_p": top_p, "max_tokens": max_new_tokens, "seed": seed_stream(seed, i), "logprobs": 0}
             if stop:
                 body["stop"] = stop
             resp = self._post(body)

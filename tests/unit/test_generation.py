@@ -10,7 +10,8 @@ import pytest
 from components.config import ConfigError, load_config
 from components.domains.arith import ArithDomain
 from components.generation import generate, generate_until_correct
-from components.models.backends import HFBackend, Sample, derive_seed
+from components.models.backends import HFBackend, Sample
+from components.seeding import seed_stream
 from components.models.tiny import TinyLlamaConfig, create_tiny_llama
 
 KW = dict(experiment="e", round=1, purpose="train", policy_model_id="m", temperature=0.8, top_p=1.0,
@@ -49,7 +50,7 @@ def test_only_problems_short_of_right_answers_are_drawn_again():
     assert drawn == {a.problem_id: [0], b.problem_id: [0, 1, 2], c.problem_id: [0, 1, 2, 3]}
     assert [len(ps) for ps, _, _ in backend.calls] == [3, 2, 2, 1]
     # Wave 0 keeps the plain draw's seed; later waves get their own.
-    assert [s for _, _, s in backend.calls] == [7, derive_seed(7, 1), derive_seed(7, 2), derive_seed(7, 3)]
+    assert [s for _, _, s in backend.calls] == [7, seed_stream(7, 1), seed_stream(7, 2), seed_stream(7, 3)]
     assert stats["waves"] == 4 and stats["unmet"] == 1
     assert stats["wave0_problems"] == 3 and stats["wave3_problems"] == 1
     assert batch.num_tokens == sum(stats[f"wave{w}_tokens"] for w in range(4))

@@ -9,11 +9,11 @@ import math
 
 import pytest
 
+from components.labeling import first_error
 from components.reward_eval import (
     best_of_n,
     disagreement_rate,
     distinct_correct,
-    first_error_index,
     majority_at_n,
     pass_at_n,
     processbench,
@@ -217,14 +217,14 @@ def test_step_prf_raises():
         step_prf([0.1, 0.2], [True, True, False])
 
 
-# --- first_error_index -------------------------------------------------------------------------
+# --- first_error (components.labeling; processbench's first error) ------------------------------
 
 
-def test_first_error_index():
-    assert first_error_index([True, False, True, False]) == 1
-    assert first_error_index([False]) == 0
-    assert first_error_index([True, True, True]) == -1
-    assert first_error_index([]) == -1
+def test_first_error():
+    assert first_error([True, False, True, False]) == 1
+    assert first_error([False]) == 0
+    assert first_error([True, True, True]) == -1
+    assert first_error([]) == -1
 
 
 # --- processbench ------------------------------------------------------------------------------
