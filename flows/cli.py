@@ -19,25 +19,26 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
+
+from flows.cli_common import WorkdirOpt, console, err, fail, open_store, print_table
+from flows.ops_cli import register as register_ops
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="coevo: self-improvement rounds for LMs.")
-console = Console()
-err = Console(stderr=True)
 
-WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", envvar="COEVO_WORKDIR", help="Experiment workdir.")]
+# Set for the whole process before Prefect or MLflow is imported: no telemetry, no HF Hub calls.
+# A variable the user exported wins (HF_HUB_OFFLINE=0 lets `coevo evaluate` download a model).
+ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_ENABLE_TELEMETRY": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",  # else tokenizers warns at every fork of a process that used it
+}
 
 
-def _fail(msg: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True)
-    raise typer.Exit(code)
-
-
-def _store(workdir: Path):
-    from components.store import Store
-
-    return Store(workdir / "coevo.duckdb")
+def set_env_defaults() -> None:
+    for k, v in ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
 
 
 @app.command()
@@ -52,9 +53,9 @@ def run(
     try:
         cfg = load_config(config, overrides)
     except ConfigError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if cfg.policy.model and _looks_local(cfg.policy.model) and not Path(cfg.policy.model).exists():
-        _fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
+        fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
     _run_flow("self_evolution", progress_bars=True, config_path=str(config), overrides=overrides)
     _print_summary(Path(cfg.workdir), cfg.experiment)
 
@@ -72,9 +73,9 @@ def _run_flow(flow_name: str, /, *, progress_bars: bool = False, **params):
         with _progress_bars() if progress_bars else nullcontext():
             return getattr(evolution, flow_name)(**params)
     except (ExperimentLockedError, StoreError, ValueError, FileNotFoundError) as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     except Exception as e:  # the flow already logged the traceback
-        _fail(f"{flow_name} failed: {type(e).__name__}: {e}", 1)
+        fail(f"{flow_name} failed: {type(e).__name__}: {e}", 1)
 
 
 @contextmanager
@@ -101,10 +102,10 @@ def _progress_bars() -> Iterator[None]:
 
 
 def _print_summary(workdir: Path, experiment: str) -> None:
-    cols, rows = _store(workdir).query(
-        "SELECT round, curriculum_levels, generated, selected, round(greedy_acc, 3) AS greedy_acc, "
-        "greedy_acc_by_level FROM v_round_summary WHERE experiment_id=? ORDER BY round", [experiment])
-    _print_table(cols, rows, title=f"{experiment}: rounds")
+    cols = ("round", "curriculum_levels", "generated", "selected", "greedy_acc", "greedy_acc_by_level")
+    rows = [tuple(round(r[c], 3) if c == "greedy_acc" and r[c] is not None else r[c] for c in cols)
+            for r in open_store(workdir).round_summary(experiment)]
+    print_table(cols, rows, title=f"{experiment}: rounds")
 
 
 @app.command()
@@ -123,11 +124,11 @@ def evaluate(
     try:
         load_config(config, overrides)
     except ConfigError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if _looks_local(model) and not Path(model).exists():
-        _fail(f"model path not found: {model}", 2)
+        fail(f"model path not found: {model}", 2)
     metrics = _run_flow("evaluate_model", model=model, config_path=str(config), overrides=overrides, name=name)
-    _print_table(["metric", "value"], [(k, round(v, 4)) for k, v in sorted(metrics.items())], title=model)
+    print_table(["metric", "value"], [(k, round(v, 4)) for k, v in sorted(metrics.items())], title=model)
 
 
 @app.command("config-schema")
@@ -152,7 +153,7 @@ def resume(
 
     snapshot = workdir / experiment / CONFIG_SNAPSHOT
     if not snapshot.is_file():
-        _fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
+        fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
     overrides = [] if rounds is None else [f"rounds={rounds}"]
     _run_flow("self_evolution", progress_bars=True, config_path=str(snapshot), overrides=overrides)
     _print_summary(workdir, experiment)
@@ -182,21 +183,21 @@ def query(
     """Run read-only SQL against the store (views: v_round_summary, v_trajectory_scores, v_lineage, ...)."""
     from components.store import StoreError
 
-    store = _store(workdir)
+    store = open_store(workdir)
     try:
         if format == "parquet":
             import pyarrow.parquet as pq
 
             if out is None:
-                _fail("--format parquet needs --out FILE", 2)
+                fail("--format parquet needs --out FILE", 2)
             pq.write_table(store.query_arrow(sql), out)
             console.print(f"wrote {out}")
             return
         cols, rows = store.query(sql)
     except StoreError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if format == "table" and out is None:
-        _print_table(cols, rows)
+        print_table(cols, rows)
         return
     fh = open(out, "w", newline="") if out else sys.stdout
     try:
@@ -208,7 +209,7 @@ def query(
             json.dump([dict(zip(cols, r)) for r in rows], fh, default=str, indent=1)
             fh.write("\n")
         else:
-            _fail(f"--format must be table, csv, json or parquet, not {format!r}", 2)
+            fail(f"--format must be table, csv, json or parquet, not {format!r}", 2)
     finally:
         if out:
             fh.close()
@@ -220,23 +221,22 @@ def status(experiment: str, workdir: WorkdirOpt = Path("workdir")) -> None:
     from components.store import StoreError
 
     try:
-        runs = _store(workdir).stage_runs(experiment)
+        runs = open_store(workdir).stage_runs(experiment)
     except StoreError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if not runs:
-        _fail(f"unknown experiment {experiment!r} in {workdir}", 2)
-    table = Table(title=f"{experiment}: stage runs")
-    for c in ("round", "stage", "attempt", "status", "duration_s", "rows", "error"):
-        table.add_column(c)
+        fail(f"unknown experiment {experiment!r} in {workdir}", 2)
     style = {"committed": "green", "failed": "red", "running": "yellow", "superseded": "dim"}
+    lines = []
     for r in runs:
         st = r["status"] + (" (stale)" if r["stale"] and r["status"] == "committed" else "")
         color = "magenta" if r["stale"] and r["status"] == "committed" else style.get(r["status"], "")
         rows = ", ".join(f"{k}={v}" for k, v in json.loads(r["rows_json"] or "{}").items())
         dur = f"{r['duration_s']:.1f}" if r["duration_s"] is not None else ""
-        table.add_row(str(r["round"]), r["stage"], str(r["attempt"]), f"[{color}]{st}[/]" if color else st, dur,
-                      rows, (r["error"] or "").splitlines()[0][:60] if r["error"] else "")
-    console.print(table)
+        lines.append((r["round"], r["stage"], r["attempt"], f"[{color}]{st}[/]" if color else st, dur,
+                      rows, (r["error"] or "").splitlines()[0][:60] if r["error"] else ""))
+    print_table(("round", "stage", "attempt", "status", "duration_s", "rows", "error"), lines,
+                title=f"{experiment}: stage runs", count=False)
 
 
 @app.command("verify-reproducible")
@@ -255,45 +255,26 @@ def verify_reproducible(
 
     snapshot = workdir / experiment / CONFIG_SNAPSHOT
     if not snapshot.is_file():
-        _fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
+        fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
     cfg = load_config(snapshot)
     try:
-        pairs = reproduce_stage(cfg, _store(workdir), round, stage, code_version=code_version(),
+        pairs = reproduce_stage(cfg, open_store(workdir), round, stage, code_version=code_version(),
                                 log=lambda line: err.print(line, style="dim", markup=False, highlight=False))
     except (StoreError, StageJobError) as e:
-        _fail(str(e), 2)
-    table = Table(title=f"{experiment} round {round} {stage}: committed vs scratch")
-    for c in ("output", "committed", "scratch", "same"):
-        table.add_column(c)
-    for k, (a, b) in pairs.items():
-        table.add_row(k, a[:16], b[:16], "[green]yes[/]" if a == b else "[red]NO[/]")
-    console.print(table)
+        fail(str(e), 2)
+    print_table(("output", "committed", "scratch", "same"),
+                [(k, a[:16], b[:16], "[green]yes[/]" if a == b else "[red]NO[/]") for k, (a, b) in pairs.items()],
+                title=f"{experiment} round {round} {stage}: committed vs scratch", count=False)
     if any(a != b for a, b in pairs.values()):
-        _fail("outputs differ: this stage is not reproducible here", 1)
+        fail("outputs differ: this stage is not reproducible here", 1)
     console.print("[green]byte-identical content[/]")
 
 
-def _print_table(cols: list[str], rows: list[tuple], title: str | None = None) -> None:
-    table = Table(title=title)
-    for c in cols:
-        table.add_column(str(c))
-    for r in rows:
-        table.add_row(*("NULL" if v is None else str(v) for v in r))
-    console.print(table)
-    console.print(f"({len(rows)} rows)", style="dim")
-
-
-def _register_ops() -> None:
-    from flows.ops_cli import register
-
-    register(app)
-
-
-_register_ops()
+register_ops(app)  # server, serve, compare, export, report
 
 
 def main() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    set_env_defaults()
     if os.environ.get("PREFECT_HOME"):  # Prefect's SQLite database cannot be created in a missing folder
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     app()

@@ -6,9 +6,8 @@
     coevo export micro --to parquet|hf [--out DIR]
     coevo report micro [--out micro-report.html]
 
-`register(app)` adds them to the main app in `flows/cli.py`; `python -m flows.ops_cli ...` runs the
-same app with them. Imports are lazy so `coevo --help` stays fast and Prefect settings are read only
-after `serve` has set the API URL.
+`register(app)` adds them to the main app in `flows/cli.py`. Imports are lazy so `coevo --help` stays
+fast and Prefect settings are read only after `serve` has set the API URL.
 """
 
 from __future__ import annotations
@@ -20,21 +19,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-console = Console()
-err = Console(stderr=True)
+from flows.cli_common import WorkdirOpt, console, err, fail, open_store, print_table
 
-WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", envvar="COEVO_WORKDIR", help="Experiment workdir.")]
 HostOpt = Annotated[str, typer.Option("--host", help="Interface the servers listen on.")]
 
 server_app = typer.Typer(no_args_is_help=True, help="Local Prefect and MLflow servers for a workdir.")
-
-
-def _fail(msg: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {msg}", highlight=False, markup=True)
-    raise typer.Exit(code)
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -54,7 +44,7 @@ def server_up(
         started = servers.up(workdir, host=host, prefect_port=prefect_port, mlflow_port=mlflow_port,
                              timeout_s=timeout)
     except servers.ServerError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     p, m = started["prefect"], started["mlflow"]
     console.print(f"[green]prefect[/] {p.url}  (pid {p.pid}, log {p.log})", highlight=False)
     console.print(f"[green]mlflow[/]  {m.url}  (pid {m.pid}, log {m.log})", highlight=False)
@@ -70,7 +60,7 @@ def server_down(workdir: WorkdirOpt = Path("workdir")) -> None:
     try:
         stopped = servers.down(workdir)
     except servers.ServerError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     if not stopped:
         console.print(f"no server running for {Path(workdir).resolve()}")
     for s in stopped:
@@ -82,14 +72,13 @@ def server_status(workdir: WorkdirOpt = Path("workdir")) -> None:
     """Which servers run for this workdir, their URLs, and whether they answer."""
     from components import servers
 
-    table = Table(title=f"servers of {Path(workdir).resolve()}")
-    for c in ("server", "state", "pid", "url", "health", "log"):
-        table.add_column(c)
+    rows = []
     for s in servers.status(workdir):
         state = "[green]running[/]" if s.running else "[dim]stopped[/]"
         health = "" if not s.running else ("[green]200 OK[/]" if s.http_status == 200 else f"[red]{s.http_status}[/]")
-        table.add_row(s.name, state, str(s.pid or ""), s.url or "", health, s.log or "")
-    Console(width=max(console.width, 160)).print(table)
+        rows.append((s.name, state, s.pid or "", s.url or "", health, s.log or ""))
+    print_table(("server", "state", "pid", "url", "health", "log"), rows,
+                title=f"servers of {Path(workdir).resolve()}", width=160, count=False)
 
 
 # -- deployments --------------------------------------------------------------------------------
@@ -110,7 +99,7 @@ def serve(
 
         info = servers.read_info(workdir, "prefect")
         if info is None or not servers.status(workdir)[0].running:
-            _fail(f"no Prefect server: set PREFECT_API_URL, or start one with `coevo server up --workdir {workdir}`", 2)
+            fail(f"no Prefect server: set PREFECT_API_URL, or start one with `coevo server up --workdir {workdir}`", 2)
         os.environ["PREFECT_API_URL"] = info.api_url
         mlflow = servers.read_info(workdir, "mlflow")
         if mlflow is not None and not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -131,7 +120,7 @@ def serve(
             serve_deployments(prefect_yaml, limit=limit, gpu_limit=gpu_limit,
                               log=lambda m: console.print(m, highlight=False))
         except DeploymentError as e:
-            _fail(str(e), 2)
+            fail(str(e), 2)
 
 
 # -- analysis -----------------------------------------------------------------------------------
@@ -154,7 +143,7 @@ def compare(
     try:
         result = compare_experiments(uri, exp_a, exp_b, metric=metric)
     except CompareError as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     out = out or workdir / "compare" / f"{exp_a}_vs_{exp_b}.png"
     plot_comparison(result, out)
     cols, rows = result.columns(), result.rows()
@@ -168,14 +157,11 @@ def compare(
         json.dump([dict(zip(cols, r)) for r in rows], sys.stdout, indent=1)
         sys.stdout.write("\n")
     elif format == "table":
-        table = Table(title=f"{metric}: {exp_a} vs {exp_b}")
-        for c in cols:
-            table.add_column(c, justify="right" if c != "level" else "left")
-        for r in rows:
-            table.add_row(*("" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v)) for v in r))
-        Console(width=max(console.width, 40 + 16 * len(cols))).print(table)
+        print_table(cols, [["" if v is None else f"{v:.4f}" if isinstance(v, float) else v for v in r] for r in rows],
+                    title=f"{metric}: {exp_a} vs {exp_b}", right=[c for c in cols if c != "level"],
+                    width=40 + 16 * len(cols), count=False)
     else:
-        _fail(f"--format must be table, csv or json, not {format!r}", 2)
+        fail(f"--format must be table, csv or json, not {format!r}", 2)
     err.print(f"plot: {out}", highlight=False)
 
 
@@ -187,7 +173,7 @@ def export(
 ) -> None:
     """Export one experiment's rows from every store table, to share or load elsewhere."""
     from components.export import ExportError, export_experiment
-    from components.store import Store, StoreError
+    from components.store import StoreError
 
     out = out or workdir / "exports" / f"{experiment}-{to}"
     if to == "hf":
@@ -195,15 +181,10 @@ def export(
 
         datasets.disable_progress_bars()
     try:
-        counts = export_experiment(Store(workdir / "coevo.duckdb"), experiment, to, out)
+        counts = export_experiment(open_store(workdir), experiment, to, out)
     except (ExportError, StoreError) as e:
-        _fail(str(e), 2)
-    table = Table(title=f"{experiment} ({to})")
-    table.add_column("table")
-    table.add_column("rows", justify="right")
-    for k, n in counts.items():
-        table.add_row(k, str(n))
-    console.print(table)
+        fail(str(e), 2)
+    print_table(("table", "rows"), counts.items(), title=f"{experiment} ({to})", right=["rows"], count=False)
     console.print(f"wrote {out}", highlight=False)
 
 
@@ -215,13 +196,13 @@ def report(
 ) -> None:
     """Write a self-contained HTML report: config, per-round table, plots, samples, lineage."""
     from components.report import ReportError, write_report
-    from components.store import Store, StoreError
+    from components.store import StoreError
 
     out = out or workdir / experiment / "report.html"
     try:
-        write_report(Store(workdir / "coevo.duckdb"), experiment, out, samples=samples)
+        write_report(open_store(workdir), experiment, out, samples=samples)
     except (ReportError, StoreError) as e:
-        _fail(str(e), 2)
+        fail(str(e), 2)
     console.print(f"wrote {out}", highlight=False)
 
 
@@ -238,10 +219,3 @@ def register(app: typer.Typer) -> None:
             app.command(name)(fn)
     if "server" not in {g.name for g in app.registered_groups}:
         app.add_typer(server_app, name="server")
-
-
-if __name__ == "__main__":
-    from flows.cli import app, main
-
-    register(app)
-    main()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,13 +14,47 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 
+# No outside calls from tests: Prefect's and MLflow's telemetry, the HF Hub.
+TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
+                 "MLFLOW_ENABLE_TELEMETRY": "false", "HF_HUB_OFFLINE": "1"}
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+for _k, _v in TELEMETRY_OFF.items():
+    os.environ.setdefault(_k, _v)
 # One torch thread per stage job, as the fault tests run them: results are then the same whatever
 # else the machine is doing, and two runs sharing two cores do not spin against each other.
 os.environ.setdefault("COEVO_TORCH_THREADS", "1")
+
+
+# -- the `coevo` CLI in a subprocess, as a user runs it ---------------------------------------------
+
+def coevo_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", *args]
+
+
+def coevo_env(prefect_home: Path | None = None, *, base: Mapping[str, str] | None = None,
+              env: Mapping[str, str] | None = None, unset: Iterable[str] = ()) -> dict[str, str]:
+    """The environment of a `coevo` process: `base` (default: this process's), PYTHONPATH=REPO,
+    telemetry off, one torch thread, PREFECT_HOME if given, then `env` on top and `unset` removed."""
+    full = dict(os.environ if base is None else base)
+    full |= {"PYTHONPATH": str(REPO), **TELEMETRY_OFF, "COEVO_TORCH_THREADS": "1"}
+    if prefect_home is not None:
+        full["PREFECT_HOME"] = str(prefect_home)
+    full |= env or {}
+    for k in unset:
+        full.pop(k, None)
+    return full
+
+
+def run_coevo(*args: str, prefect_home: Path | None = None, base: Mapping[str, str] | None = None,
+              env: Mapping[str, str] | None = None, unset: Iterable[str] = (), cwd: Path = REPO,
+              check: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`coevo *args` to completion, its output captured; with `check`, a non-zero exit fails the test."""
+    p = subprocess.run(coevo_cmd(*args), cwd=cwd, env=coevo_env(prefect_home, base=base, env=env, unset=unset),
+                       capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"coevo {' '.join(args)} exited {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
 
 
 @pytest.fixture
@@ -62,3 +99,17 @@ def micro_workdir(prefect_server, tmp_path_factory) -> MicroWorkdir:
     for exp in w.experiments:
         self_evolution(config_path=str(w.config), overrides=w.overrides(exp))
     return w
+
+
+def assert_plans_read_what_they_declare(cfg, store, tmp_path: Path) -> None:
+    """Each stage's plan, against a real store, names only committed outputs of the stages its registry
+    entry says it reads (the registry is the one written form of the dataflow)."""
+    from components.recipes import get_recipe
+    from components.stages import STAGES, build_spec
+
+    for r in range(cfg.rounds + 1):
+        for stage in get_recipe(cfg.recipe).round_stages(r):
+            spec = build_spec(cfg, store, r, stage, attempt=99, code_version=None, out_dir=tmp_path / f"{r}-{stage}")
+            read = {i.stage for i in spec.inputs}
+            assert read <= set(STAGES[stage].reads), (r, stage, read)
+            assert all(i.round <= r for i in spec.inputs), (r, stage)

@@ -22,7 +22,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -33,8 +32,9 @@ from typing import Any
 import pytest
 
 from components.store import DATA_TABLES, Store, StoreError
+from tests import conftest as shared
+from tests.conftest import REPO, coevo_cmd
 
-REPO = Path(__file__).resolve().parents[2]
 MICRO = REPO / "configs" / "micro.yaml"
 EXPERIMENT = "fault"
 # The same in every run, so every run has the same config hash; 3 retries absorb the injected kills.
@@ -61,30 +61,23 @@ READER_TABLES = ("trajectories", "verifications", "selections")
 
 # -- running the CLI -------------------------------------------------------------------------
 
+# Each CLI process gets its own ephemeral Prefect server (under its own PREFECT_HOME) and the workdir's MLflow.
+# COEVO_TORCH_THREADS=1 (shared.coevo_env): three runs share two cores, and every run (reference,
+# killed, rerun) must train with the same thread count to compare checkpoints bit for bit.
+UNSET = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "COEVO_WORKDIR")
+FAULT_ENV = {
+    "COLUMNS": "250", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+    # Several ephemeral Prefect servers start at once on two cores; the default 20 s is too short.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+}
+
+
 def coevo_env(prefect_home: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "COEVO_WORKDIR"):
-        env.pop(k, None)  # each CLI process gets its own ephemeral Prefect server and the workdir's MLflow
-    env.update({
-        "PYTHONPATH": str(REPO), "PREFECT_HOME": str(prefect_home), "COLUMNS": "250", "PYTHONUNBUFFERED": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-        "MLFLOW_ENABLE_TELEMETRY": "false", "TOKENIZERS_PARALLELISM": "false",
-        # One intra-op thread per job: three runs share two cores, and every run (reference, killed,
-        # rerun) must train with the same thread count to compare checkpoints bit for bit.
-        "COEVO_TORCH_THREADS": "1",
-        # Several ephemeral Prefect servers start at once on two cores; the default 20 s is too short.
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
-    })
-    return env
-
-
-def coevo_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return shared.coevo_env(prefect_home, env=FAULT_ENV, unset=UNSET)
 
 
 def run_coevo(*args: str, prefect_home: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(coevo_cmd(*args), cwd=REPO, env=coevo_env(prefect_home), capture_output=True,
-                          text=True, timeout=timeout)
+    return shared.run_coevo(*args, prefect_home=prefect_home, env=FAULT_ENV, unset=UNSET, timeout=timeout)
 
 
 def squash(text: str) -> str:

@@ -6,14 +6,11 @@ rft), 2 rounds, with the policy/round-0 log-ratio scoring steps, ranking the fil
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from components.config import load_config
 from components.store import Store
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 

@@ -20,8 +20,9 @@ import yaml
 
 from components.servers import free_port
 from components.store import Store
+from tests.conftest import REPO
 
-from .conftest import REPO, coevo
+from .conftest import coevo
 
 
 # -- servers ------------------------------------------------------------------------------------

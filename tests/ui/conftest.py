@@ -11,26 +11,21 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, coevo_cmd, coevo_env, run_coevo
+
 CHROMEDRIVER = "/usr/bin/chromedriver"
 SCREENS = Path("/tmp/coevo-screens")  # a copy of every screenshot, to look at after the run
 
 
 def coevo(*args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300,
           ) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO,
-                       env={**os.environ, "COLUMNS": "200", **(env or {})},
-                       capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"coevo {' '.join(args)} exited {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
+    return run_coevo(*args, env={"COLUMNS": "200", **(env or {})}, check=check, timeout=timeout)
 
 
 def _chromium() -> str | None:
@@ -105,9 +100,9 @@ def servers(tmp_path):
 def served(servers, tmp_path):
     """`coevo serve` in the background against the test's Prefect server; stopped (SIGINT) afterwards."""
     log = open(tmp_path / "serve.log", "w")
-    env = {**os.environ, "PREFECT_API_URL": servers.prefect_api, "MLFLOW_TRACKING_URI": servers.mlflow_url,
-           "COEVO_WORKDIR": str(servers.workdir)}
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve"], cwd=REPO, env=env,
+    env = coevo_env(env={"PREFECT_API_URL": servers.prefect_api, "MLFLOW_TRACKING_URI": servers.mlflow_url,
+                         "COEVO_WORKDIR": str(servers.workdir)})
+    proc = subprocess.Popen(coevo_cmd("serve"), cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc

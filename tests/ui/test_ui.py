@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO, SCREENS, coevo, wait_for
+from tests.conftest import REPO
+
+from .conftest import SCREENS, coevo, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -1,18 +1,54 @@
-"""Bad input: a clear message, a non-zero exit, and nothing written."""
+"""The CLI as a user meets it: bad input gives a clear message, a non-zero exit and nothing written;
+telemetry is off without `make`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, TELEMETRY_OFF, coevo_env, run_coevo
 
 
 def coevo(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "COLUMNS": "200",
-                               "HOME": str(cwd)}, timeout=120)
+    """A bare environment, as a fresh shell: nothing inherited from the test process."""
+    return run_coevo(*args, cwd=cwd, base={}, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "HOME": str(cwd)},
+                     timeout=120)
+
+
+# `coevo --help` through main(), then the variables as every later import (Prefect, MLflow) sees them.
+_ENV_AFTER_MAIN = """
+import json, os, sys
+from flows import cli
+names, sys.argv = sys.argv[1:], ["coevo", "--help"]
+try:
+    cli.main()
+except SystemExit:
+    pass
+print(json.dumps({k: os.environ.get(k) for k in names}))
+"""
+
+
+def _env_after_main(tmp_path: Path, **exported: str) -> dict[str, str | None]:
+    """Only `exported` of the telemetry variables are in the child's environment when it starts."""
+    env = coevo_env(base={}, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **exported},
+                    unset=[k for k in TELEMETRY_OFF if k not in exported])
+    assert {k for k in TELEMETRY_OFF if k in env} == set(exported)
+    p = subprocess.run([sys.executable, "-c", _ENV_AFTER_MAIN, *TELEMETRY_OFF], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout.splitlines()[-1])
+
+
+def test_the_cli_turns_telemetry_off_itself(tmp_path):
+    """Run outside `make`, with none of the variables exported, the CLI still makes no outside calls."""
+    assert _env_after_main(tmp_path) == TELEMETRY_OFF
+
+
+def test_an_exported_telemetry_setting_wins(tmp_path):
+    got = _env_after_main(tmp_path, DO_NOT_TRACK="0", HF_HUB_OFFLINE="0")
+    assert got == {**TELEMETRY_OFF, "DO_NOT_TRACK": "0", "HF_HUB_OFFLINE": "0"}
 
 
 def _nothing_written(tmp_path: Path) -> None:

@@ -1,12 +1,10 @@
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
 from components.config import ConfigError, load_config, load_config_dict
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def test_every_shipped_config_loads_and_opens_with_its_command():

@@ -10,14 +10,11 @@ import random
 import subprocess
 import sys
 
-from pathlib import Path
-
 import pytest
 
 from components.domains import DOMAINS, Domain, Problem, get_domain
 from components.domains.arith import ArithDomain, extract_answer, split_steps, verify
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def arith(prompt: str) -> Problem:
