@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from components.domains.base import Domain, Problem
-from components.models.backends import GenerationBackend, derive_seed
+from components.models.backends import GenerationBackend
+from components.seeding import seed_stream
 
 
 def mc_value(correct_flags: list[bool | float]) -> tuple[float, float]:
@@ -34,8 +35,9 @@ def mc_value(correct_flags: list[bool | float]) -> tuple[float, float]:
     return hits / len(correct_flags), 1.0 if hits else 0.0
 
 
-def _text(steps: list[str]) -> str:
-    return "".join(s + "\n" for s in steps)
+def _text(steps: list[str], sep: str) -> str:
+    """A completion prefix: each step followed by the domain's step separator."""
+    return "".join(s + sep for s in steps)
 
 
 def _rows(tid: str, i: int, soft: float, hard: float, n: int) -> list[dict[str, Any]]:
@@ -74,15 +76,15 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
     slots: dict[tuple[str, str, str], int] = {}  # (prompt, steps so far, reference) -> rollout slot
     for it in items:
         for i in range(len(it["steps"]) - 1):
-            slots.setdefault((it["prompt"], _text(it["steps"][:i + 1]), it["answer_ref"]), len(slots))
+            slots.setdefault((it["prompt"], _text(it["steps"][:i + 1], domain.step_separator), it["answer_ref"]), len(slots))
     values, tokens = _rollout_values(domain, backend, list(slots), k, temperature, max_new_tokens, seed)
-    finals = domain.verify([_text(it["steps"]) for it in items], [it["answer_ref"] for it in items]) if items else []
+    finals = domain.verify([_text(it["steps"], domain.step_separator) for it in items], [it["answer_ref"] for it in items]) if items else []
 
     rows: list[dict[str, Any]] = []
     for it, final in zip(items, finals):
         steps, tid = it["steps"], it["trajectory_id"]
         for i in range(len(steps) - 1):
-            soft, hard = values[slots[(it["prompt"], _text(steps[:i + 1]), it["answer_ref"])]]
+            soft, hard = values[slots[(it["prompt"], _text(steps[:i + 1], domain.step_separator), it["answer_ref"])]]
             rows += _rows(tid, i, soft, hard, k)
         rows += _rows(tid, len(steps) - 1, float(final or 0.0), float(final or 0.0), 0)
     stats = {
@@ -121,7 +123,7 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
     if k < 1:
         raise ValueError(f"mc_first_error_labels: k must be >= 1, got {k}")
     items = [it for it in items if it["answer_ref"] is not None and it["steps"]]
-    finals = domain.verify([_text(it["steps"]) for it in items], [it["answer_ref"] for it in items]) if items else []
+    finals = domain.verify([_text(it["steps"], domain.step_separator) for it in items], [it["answer_ref"] for it in items]) if items else []
     # bounds[j] = [lo, hi]: the first bad step of item j lies in [lo, hi]; the final step of a wrong one is bad.
     dead_root = {j for j, (it, ok) in enumerate(zip(items, finals)) if not ok and not it.get("root_alive", True)}
     bounds = {j: [0, len(it["steps"]) - 1] for j, (it, ok) in enumerate(zip(items, finals))
@@ -132,10 +134,10 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
              "rollouts": 0, "generated_tokens": 0, "search_levels": 0, "dead_root": len(dead_root)}
     while any(lo < hi for lo, hi in bounds.values()):
         mids = {j: (lo + hi) // 2 for j, (lo, hi) in bounds.items() if lo < hi}
-        keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1]), items[j]["answer_ref"]) for j, m in mids.items()}
+        keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1], domain.step_separator), items[j]["answer_ref"]) for j, m in mids.items()}
         todo = sorted({key for key in keys.values() if key not in value})  # empty when all were rolled out
         values, tokens = _rollout_values(domain, backend, todo, k, temperature, max_new_tokens,
-                                         derive_seed(seed, stats["search_levels"]))
+                                         seed_stream(seed, stats["search_levels"]))
         value |= {key: hard for key, (_, hard) in zip(todo, values)}
         stats["unique_prefixes"] += len(todo)
         stats["rollouts"] += len(todo) * k
@@ -164,7 +166,7 @@ def oracle_labels(domain: Domain, problems_by_id: dict[str, Problem],
     """`oracle` rows (1.0 good, 0.0 bad) from `domain.oracle_step_labels`; [] for a domain without one."""
     rows = []
     for it in items:
-        labels = domain.oracle_step_labels(problems_by_id[it["problem_id"]], _text(it["steps"]))
+        labels = domain.oracle_step_labels(problems_by_id[it["problem_id"]], _text(it["steps"], domain.step_separator))
         if labels is None:
             return []
         if len(labels) != len(it["steps"]):
@@ -230,3 +232,23 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
             examples.append({"prompt": it["prompt"], "completions": list(it["steps"]), "labels": ok,
                              "trajectory_id": tid})
     return examples, decisions
+
+
+def demo_prm_examples(demos: dict[str, dict[str, Any]], split_steps: Any,
+                      examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """PRM examples from gold demonstrations (trajectory id -> its row), every step good, in id order,
+    skipping texts already among `examples` or repeated (`train_reward.demos`).
+
+    >>> demos = {"d2": {"prompt": "p", "completion": "x\\ny\\n"}, "d1": {"prompt": "q", "completion": "x\\n"}}
+    >>> got = demo_prm_examples(demos, str.splitlines, [{"prompt": "q", "completions": ["x"]}])
+    >>> [(e["trajectory_id"], e["completions"], e["labels"]) for e in got]
+    [('d2', ['x', 'y'], [True, True])]
+    """
+    seen = {(e["prompt"], tuple(e["completions"])) for e in examples}
+    out = []
+    for tid, t in sorted(demos.items()):
+        steps = split_steps(t["completion"])
+        if steps and (t["prompt"], tuple(steps)) not in seen:
+            seen.add((t["prompt"], tuple(steps)))
+            out.append({"prompt": t["prompt"], "completions": steps, "labels": [True] * len(steps), "trajectory_id": tid})
+    return out

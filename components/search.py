@@ -5,7 +5,7 @@
                                      ["3+4-2\\n"], n=2, max_tries=4, threshold=0.5, temperature=0.8,
                                      top_p=1.0, max_new_tokens=96, seed=0)
 
-Each sample is built one step (one line) at a time. A candidate step is drawn from the policy and the
+Each sample is built one step (up to the domain's step separator) at a time. A candidate step is drawn from the policy and the
 previous round's PRM scores it in context; it is kept when P(good) >= `threshold`, otherwise the step
 is drawn again, up to `max_tries`, and the best-scored draw is kept. This is the cheapest form of the
 value-guided step search in ReST-MCTS* (Zhang et al. 2024, https://arxiv.org/abs/2406.03816) and
@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from components.domains.base import Domain
-from components.models.backends import GenerationBackend, Sample, derive_seed
-
-STEP_END = "\n"
-
+from components.models.backends import GenerationBackend, Sample
+from components.seeding import seed_stream
 
 @dataclass
 class _State:
     prompt: str
+    sep: str  # the domain's step separator: a step ends there
     steps: list[str] = field(default_factory=list)
     tokens: int = 0
     done: bool = False
@@ -40,7 +39,7 @@ class _State:
 
     @property
     def text(self) -> str:
-        return "".join(s + STEP_END for s in self.steps)
+        return "".join(s + self.sep for s in self.steps)
 
 
 def prm_step_search(domain: Domain, backend: GenerationBackend,
@@ -51,7 +50,7 @@ def prm_step_search(domain: Domain, backend: GenerationBackend,
     """`n` PRM-guided samples per prompt (see the module docstring), and what the search cost."""
     if max_tries < 1:
         raise ValueError(f"prm_step_search: max_tries must be >= 1, got {max_tries}")
-    states = [_State(p) for p in prompts for _ in range(n)]
+    states = [_State(p, domain.step_separator) for p in prompts for _ in range(n)]
     stats = {"steps": 0, "draws": 0, "redraws": 0, "accepted_below_threshold": 0, "discarded_tokens": 0}
     for step in range(max_steps):
         active = [s for s in states if not s.done]
@@ -66,7 +65,7 @@ def prm_step_search(domain: Domain, backend: GenerationBackend,
             outs = backend.generate([active[j].prompt + active[j].text for j in pending], n=1, temperature=temperature,
                                     top_p=top_p, max_new_tokens=max(1, max_new_tokens - min(active[j].tokens
                                                                                              for j in pending)),
-                                    seed=derive_seed(seed, step, attempt), stop=[STEP_END])
+                                    seed=seed_stream(seed, step, attempt), stop=[domain.step_separator])
             cands = [o[0] for o in outs]
             stats["draws"] += len(cands)
             stats["redraws"] += len(cands) if attempt else 0

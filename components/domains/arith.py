@@ -109,6 +109,7 @@ class ArithDomain:
     # only the line above it: no counting of which operand comes next, which length-generalises.
     format: str = "chain"
     name: str = field(default="arith", init=False)
+    step_separator: str = field(default="\n", init=False)  # one step a line
     _test_cache: dict[int, list[Problem]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

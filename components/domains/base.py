@@ -38,6 +38,9 @@ class Problem:
 @runtime_checkable
 class Domain(Protocol):
     name: str
+    # What ends each step in a completion: `split_steps` cuts there, and step prefixes (Monte Carlo
+    # rollouts, step-by-step search, the PRM's input) are the steps each followed by it.
+    step_separator: str
 
     def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
         """`n` training problems, deterministic given `seed`, never in `test_set(level)`; unique where the space allows."""

@@ -114,6 +114,7 @@ class Gsm8kDomain:
     test_path: str | Path
     test_size: int | None = None  # held-out problems per level, in file order; None keeps them all
     name: str = field(default="gsm8k", init=False)
+    step_separator: str = field(default="\n", init=False)  # one step a line
     _train: list[Problem] = field(default_factory=list, init=False, repr=False)
     _test: list[Problem] = field(default_factory=list, init=False, repr=False)
 

@@ -1,18 +1,76 @@
-"""Reward models: a process reward model (`prm`), an outcome reward model (`orm`) and the implicit PRM
-(`implicit`, policy/reference log-ratio, no training). Each scorer returns plain `list[float]`s.
+"""Reward models: a process reward model (`prm`, two heads), an outcome reward model (`orm`) and the
+implicit PRM (`implicit`, policy/reference log-ratio, no training), behind one protocol, `RewardModel`.
 
-    from components.rewards.prm import PRMScorer, aggregate, train_prm
-    from components.rewards.orm import ORMScorer, train_orm
-    from components.rewards.implicit import implicit_step_rewards
+    rm = load_reward_model("prm", "workdir/.../r1/train_reward/a1/prm", separator=domain.step_separator)
+    rm.score(prompts, completions, steps)    # one list per trajectory: a score per step (or one, for an ORM)
 
-The helpers below are shared by the three; they import torch lazily so `import components.rewards`
-stays cheap.
+A new reward model is one class with `name`, `granularity` and `score`, named in the config by dotted
+path (`score.reward_model: my_pkg.rewards:LengthPenalty`); `load_reward_model` builds it with the
+model URI (None for one that trains nothing) and the domain's step separator. The helpers below are
+shared by the three built-in ones; they import torch lazily so `import components.rewards` stays cheap.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from components.instantiate import locate
+
+# Built-in reward models by config name; anything else is a dotted path 'pkg.module:Class'.
+REWARD_MODELS: dict[str, str] = {
+    "prm": "components.rewards.prm:PRMScorer",
+    "orm": "components.rewards.orm:ORMScorer",
+    "implicit": "components.rewards.implicit:ImplicitPRM",
+}
+# Those trained by the `train_reward` stage, under their role in the `models` table.
+TRAINED = ("prm", "orm")
+
+
+@runtime_checkable
+class RewardModel(Protocol):
+    name: str  # the `scorer` column of its `scores` rows
+    granularity: Literal["step", "outcome"]  # a score per step (min/last/mean aggregates follow) or per trajectory
+
+    def score(self, prompts: list[str], completions: list[str], steps: list[list[str]]) -> list[list[float]]:
+        """Per trajectory: one score per step of `steps` ('step'), or a list of one ('outcome')."""
+        ...
+
+
+def load_reward_model(name: str, uri: str | None = None, *, separator: str = "\n", reference_uri: str | None = None,
+                      beta: float = 0.05) -> RewardModel:
+    """Build a reward model by config name or dotted path. `uri` is its checkpoint (the policy, for the
+    implicit PRM, scored against `reference_uri`); `separator` is the domain's step separator."""
+    if name == "implicit":
+        return locate(REWARD_MODELS[name])(uri, reference_uri, beta=beta, separator=separator)
+    if name in REWARD_MODELS:
+        return locate(REWARD_MODELS[name])(uri, separator=separator)
+    if ":" not in name:
+        raise ValueError(f"unknown reward model {name!r}: known ones are {sorted(REWARD_MODELS)}, or give a dotted "
+                         "path 'pkg.module:Class'")
+    protocol = (f"reward model {name!r} does not follow components.rewards.RewardModel: it is built as "
+                "Class(uri=..., separator=...) and has `name`, `granularity` ('step' or 'outcome') and "
+                "`score(prompts, completions, steps)`")
+    try:
+        rm = locate(name)(uri=uri, separator=separator)
+    except TypeError as e:
+        raise ValueError(f"{protocol} ({e})") from None
+    if not isinstance(rm, RewardModel) or rm.granularity not in ("step", "outcome"):
+        raise ValueError(protocol)
+    return rm
+
+
+def score_rows(rm: RewardModel, model_id: str | None, trajectories: list[dict[str, Any]],
+               steps: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """`scores` rows of a reward model over trajectories: every step plus min/last/mean, or one per trajectory."""
+    from components.scoring import step_score_rows, trajectory_score_rows
+
+    tids = [t["trajectory_id"] for t in trajectories]
+    values = rm.score([t["prompt"] for t in trajectories], [t["completion"] for t in trajectories],
+                      [steps.get(t, []) for t in tids])
+    if rm.granularity == "outcome":
+        return trajectory_score_rows(tids, [v[0] for v in values], rm.name, model_id)
+    return step_score_rows(tids, values, rm.name, model_id)
 
 
 def device() -> str:

@@ -13,12 +13,29 @@ PRIME's value.
 from __future__ import annotations
 
 from components.rewards import device, pad_right, token_logprobs
-from components.rewards.prm import tokenize_steps
+from components.rewards.prm import STEP_SEPARATOR, tokenize_steps
+
+
+class ImplicitPRM:
+    """The implicit PRM as a `components.rewards.RewardModel`: `policy_path` scored against `reference_path`."""
+
+    name = "implicit"
+    granularity = "step"
+
+    def __init__(self, policy_path: str, reference_path: str | None, beta: float = 0.05,
+                 separator: str = STEP_SEPARATOR):
+        if reference_path is None:
+            raise ValueError("the implicit PRM needs a reference model")
+        self.policy_path, self.reference_path, self.beta, self.separator = policy_path, reference_path, beta, separator
+
+    def score(self, prompts: list[str], completions: list[str], steps: list[list[str]]) -> list[list[float]]:  # noqa: ARG002
+        return implicit_step_rewards(self.policy_path, self.reference_path, prompts, steps, beta=self.beta,
+                                     separator=self.separator)
 
 
 def implicit_step_rewards(policy_path: str, reference_path: str, prompts: list[str], steps: list[list[str]],
-                          beta: float = 0.05, batch_size: int = 64,
-                          device_name: str | None = None) -> list[list[float]]:
+                          beta: float = 0.05, batch_size: int = 64, device_name: str | None = None,
+                          separator: str = STEP_SEPARATOR) -> list[list[float]]:
     """Per trajectory, one reward per step: beta * sum of log pi - log pi_ref over the step's tokens."""
     import torch
 
@@ -33,7 +50,7 @@ def implicit_step_rewards(policy_path: str, reference_path: str, prompts: list[s
         raise ValueError(f"implicit_step_rewards: {policy_path} and {reference_path} have different tokenizers; "
                          "a log-ratio needs the same token ids")
     # The same tokenisation as the PRM and the backends: plain text, each step then its separator.
-    enc = [tokenize_steps(tok, p, s) for p, s in zip(prompts, steps)]
+    enc = [tokenize_steps(tok, p, s, separator) for p, s in zip(prompts, steps)]
     prompt_lens = [len(ids) for ids in tok(prompts, add_special_tokens=False)["input_ids"]]
     order = sorted((i for i, (_, ends) in enumerate(enc) if ends), key=lambda i: len(enc[i][0]))
     out: list[list[float]] = [[] for _ in prompts]

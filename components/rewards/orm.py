@@ -101,9 +101,13 @@ def train_orm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
 
 
 class ORMScorer:
-    """`score`: one scalar reward per (prompt, completion), read at EOS as `RewardTrainer` trained it."""
+    """`score_completions`: one scalar reward per (prompt, completion), read at EOS as `RewardTrainer`
+    trained it. A `components.rewards.RewardModel` of granularity 'outcome'."""
 
-    def __init__(self, path: str, device_name: str | None = None):
+    name = "orm"
+    granularity = "outcome"
+
+    def __init__(self, path: str, device_name: str | None = None, separator: str = "\n"):  # noqa: ARG002
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -113,7 +117,10 @@ class ORMScorer:
         self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
         self.model.to(self.device).eval()
 
-    def score(self, prompts: list[str], completions: list[str], batch_size: int = 256) -> list[float]:
+    def score(self, prompts: list[str], completions: list[str], steps: list[list[str]]) -> list[list[float]]:  # noqa: ARG002
+        return [[v] for v in self.score_completions(prompts, completions)]
+
+    def score_completions(self, prompts: list[str], completions: list[str], batch_size: int = 256) -> list[float]:
         if len(prompts) != len(completions):
             raise ValueError(f"score: {len(prompts)} prompts but {len(completions)} completions")
         eos = self.tok.eos_token

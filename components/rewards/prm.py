@@ -33,7 +33,7 @@ from typing import Any
 
 from components.rewards import device, losses, pad_right, save_checkpoint, token_logprobs, trainer_kwargs
 
-STEP_SEPARATOR = "\n"  # TRL's PRM default, and the arith/gsm8k step delimiter
+STEP_SEPARATOR = "\n"  # TRL's PRM default, and arith's and gsm8k's (a domain names its own: `step_separator`)
 LABELS = {0: "bad", 1: "good"}
 HEADS = ("classifier", "likelihood")
 # A fresh likelihood head: a step whose least likely token had p = 1/e scores 0.5.
@@ -53,6 +53,7 @@ class PRMParams:
     max_length: int = 256               # tokens; longer trajectories are cut, losing their last steps' labels
     head: str = "classifier"            # or "likelihood" (module docstring)
     lm_weight: float = 0.0              # weight of the language-model loss on all-good trajectories
+    separator: str = STEP_SEPARATOR     # the domain's step separator, after each step
 
     def __post_init__(self) -> None:
         if self.head not in HEADS:
@@ -66,8 +67,8 @@ class PRMParams:
             raise ValueError(f"PRMParams.learning_rate must be > 0, got {self.learning_rate}")
 
 
-def tokenize_steps(tok: Any, prompt: str, steps: list[str]) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + (step + separator)*, and the index of each step's separator token.
+def tokenize_steps(tok: Any, prompt: str, steps: list[str], separator: str = STEP_SEPARATOR) -> tuple[list[int], list[int]]:
+    """Token ids of prompt + (step + separator)*, and the index of each step's separator token (its last).
 
     No special tokens: coevo's backends and SFT feed the policy plain text, so the backbone reads a
     trajectory the way it learned it. Each step is tokenised on its own, as TRL's PRM format does.
@@ -77,9 +78,9 @@ def tokenize_steps(tok: Any, prompt: str, steps: list[str]) -> tuple[list[int], 
     >>> len(ids), ends
     (17, [9, 16])
     """
-    prompt_ids, *step_ids, sep = tok([prompt, *steps, STEP_SEPARATOR], add_special_tokens=False)["input_ids"]
+    prompt_ids, *step_ids, sep = tok([prompt, *steps, separator], add_special_tokens=False)["input_ids"]
     if not sep:
-        raise ValueError(f"tokenizer maps the step separator {STEP_SEPARATOR!r} to no token")
+        raise ValueError(f"tokenizer maps the step separator {separator!r} to no token")
     ids, ends = list(prompt_ids), []
     for s in step_ids:
         ids += s + sep
@@ -120,7 +121,7 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
     for e in examples:
         if len(e["completions"]) != len(e["labels"]):
             raise ValueError(f"train_prm: {len(e['completions'])} steps but {len(e['labels'])} labels")
-        ids, ends = tokenize_steps(tok, e["prompt"], e["completions"])
+        ids, ends = tokenize_steps(tok, e["prompt"], e["completions"], params.separator)
         targets = [_label(v) if end < params.max_length else -100 for end, v in zip(ends, e["labels"])]
         n_pos += sum(v == 1 for v in targets)
         n_lab += sum(v != -100 for v in targets)
@@ -277,9 +278,13 @@ def _trainer_class():
 
 
 class PRMScorer:
-    """`score_steps`: P(step is good) for every step, one forward pass per trajectory (either head)."""
+    """`score_steps`: P(step is good) for every step, one forward pass per trajectory (either head).
+    A `components.rewards.RewardModel`."""
 
-    def __init__(self, path: str, device_name: str | None = None):
+    name = "prm"
+    granularity = "step"
+
+    def __init__(self, path: str, device_name: str | None = None, separator: str = STEP_SEPARATOR):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
@@ -294,11 +299,15 @@ class PRMScorer:
         else:
             self.good = self.model.config.label2id.get("good", 1)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0  # masked: any id works
+        self.separator = separator
+
+    def score(self, prompts: list[str], completions: list[str], steps: list[list[str]]) -> list[list[float]]:
+        return self.score_steps(prompts, steps)
 
     def score_steps(self, prompts: list[str], steps: list[list[str]], batch_size: int = 256) -> list[list[float]]:
         if len(prompts) != len(steps):
             raise ValueError(f"score_steps: {len(prompts)} prompts but {len(steps)} step lists")
-        enc = [tokenize_steps(self.tok, p, s) for p, s in zip(prompts, steps)]
+        enc = [tokenize_steps(self.tok, p, s, self.separator) for p, s in zip(prompts, steps)]
         # Sorted by length so a batch pads little; trajectories without steps need no forward pass.
         order = sorted((i for i, (_, ends) in enumerate(enc) if ends), key=lambda i: len(enc[i][0]))
         out: list[list[float]] = [[] for _ in prompts]

@@ -232,7 +232,7 @@ def test_orm_ranks_correct_above_incorrect(backbone, tmp_path):
                         ORMParams(max_steps=60, batch_size=32, learning_rate=3e-3))
     assert metrics["pairs"] == 2 * 600 and metrics["steps"] == 60
     test = _orm_examples(99, 40)
-    scores = ORMScorer(str(tmp_path / "orm")).score([e["prompt"] for e in test], [e["completion"] for e in test])
+    scores = ORMScorer(str(tmp_path / "orm")).score_completions([e["prompt"] for e in test], [e["completion"] for e in test])
     wins = [scores[i] > scores[j] for i in range(0, len(test), 3) for j in (i + 1, i + 2)]
     assert sum(wins) / len(wins) >= 0.9, f"pair accuracy {sum(wins) / len(wins):.3f}"
     assert not [p.name for p in (tmp_path / "orm").iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
