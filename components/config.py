@@ -16,9 +16,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-STAGES = ("generate", "verify", "score", "filter", "train_policy", "train_reward", "evaluate")
-
-
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and field."""
 
@@ -109,11 +106,21 @@ class VerifyConfig(_Section):
 class ScoreConfig(_Section):
     """Step labels (Monte Carlo rollouts, oracle) and reward-model scores for the round's trajectories."""
 
-    reward_model: Literal["none", "prm", "orm", "implicit"] = Field(
+    reward_model: str = Field(
         "none", description="The previous round's reward model scores every step and trajectory; 'none' scores "
                             "by verifier outcome only (round 1 of a coevo run has no previous reward model yet). "
-                            "'implicit': no reward model to train; the step reward is beta * log(policy / "
-                            "round-0 policy) summed over the step (Free Process Rewards, PRIME), from round 2 on.")
+                            "'prm' or 'orm': the one train_reward trained. 'implicit': no reward model to train; "
+                            "the step reward is beta * log(policy / round-0 policy) summed over the step (Free "
+                            "Process Rewards, PRIME), from round 2 on. A dotted path 'pkg.module:Class' builds "
+                            "a components.rewards.RewardModel that trains nothing, every round.")
+
+    @field_validator("reward_model")
+    @classmethod
+    def _known_reward_model(cls, v: str) -> str:
+        if v not in ("none", "prm", "orm", "implicit") and ":" not in v:
+            raise ValueError(f"unknown reward model {v!r}: use none, prm, orm, implicit or a dotted path "
+                             "'pkg.module:Class'")
+        return v
     implicit_beta: float = Field(0.05, gt=0.0, description="beta of the implicit PRM (PRIME's value).")
     mc_rollouts: int = Field(
         0, ge=0, description="k completions per step prefix, verified (Math-Shepherd); 0 = no Monte Carlo labels.")
@@ -279,9 +286,10 @@ class ExperimentConfig(_Section):
     experiment: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name; names the workdir folder.")
     seed: int = 0
     workdir: str = Field("workdir", description="Root for stage outputs, the DuckDB store and the MLflow store.")
-    recipe: Literal["rft", "coevo"] = Field(
-        "rft", description="'rft': outcome filter only, no reward model (STaR / ReST-EM). 'coevo': a PRM trained on "
-                           "Monte Carlo step labels ranks the data, and policy and PRM improve together.")
+    recipe: str = Field(
+        "rft", description="Which stages a round runs (components/recipes/): 'rft', outcome filter only, no reward "
+                           "model (STaR / ReST-EM); 'coevo', a PRM trained on Monte Carlo step labels ranks the "
+                           "data, and policy and PRM improve together; or a dotted path 'pkg.module:RECIPE'.")
     rounds: int = Field(4, ge=0, description="Self-improvement rounds after round 0 (bootstrap).")
     stage_timeout_s: int = Field(3600, ge=1)
     stage_retries: int = Field(1, ge=0, description="Retries for transient stage failures (killed process, OOM).")
@@ -315,10 +323,9 @@ class ExperimentConfig(_Section):
             raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
         if self.train_reward.enabled and self.score.mc_rollouts < 1:
             raise ValueError("train_reward.enabled needs step labels to train on: set score.mc_rollouts >= 1")
-        if self.recipe == "rft" and self.train_reward.enabled:
-            raise ValueError("recipe 'rft' uses no reward model: set recipe=coevo, or train_reward.enabled=false")
-        if self.recipe == "coevo" and not self.train_reward.enabled:
-            raise ValueError("recipe 'coevo' trains a PRM each round: set train_reward.enabled=true")
+        from components.recipes import get_recipe
+
+        get_recipe(self.recipe).check(self)
         if self.train_policy.method != "sft" and not self.filter.dpo_pairs:
             raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set filter.dpo_pairs=true")
         if self.score.mc_strategy == "first_error" and self.train_reward.label_source != "mc_hard":

@@ -22,8 +22,9 @@ from prefect.runtime import flow_run as flow_run_ctx
 from components.config import ExperimentConfig, load_config
 from components.curriculum import pick_levels
 from components.locking import ExperimentLock
-from components.planning import level_pass_rates, round_stages
 from components.plots import accuracy_per_round, round_summary
+from components.recipes import get_recipe
+from components.stages import PlanningError
 from components.store import Store
 from components.tracking import Tracker, code_version
 from tasks.stages import stage_task
@@ -47,11 +48,12 @@ def _tracker(cfg: ExperimentConfig) -> Tracker:
 
 
 def _plan_round(cfg: ExperimentConfig, store: Store, round: int) -> list[int]:
-    existing = store.rows("SELECT levels_json FROM round_plans WHERE experiment_id=? AND round=?",
-                          [cfg.experiment, round])
-    if existing:
-        return yaml.safe_load(existing[0]["levels_json"])
-    rates = level_pass_rates(store, cfg.experiment, round - 1)
+    existing = store.round_plan(cfg.experiment, round)
+    if existing is not None:
+        return existing
+    rates = store.level_pass_rates(cfg.experiment, round - 1)
+    if not rates:
+        raise PlanningError(f"{cfg.experiment} round {round - 1}: no committed evaluation to plan the curriculum from")
     c = cfg.curriculum
     levels, reason = pick_levels(rates, c.low, c.high, c.max_levels)
     store.set_round_plan(cfg.experiment, round, levels, reason)
@@ -60,11 +62,9 @@ def _plan_round(cfg: ExperimentConfig, store: Store, round: int) -> list[int]:
 
 
 def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int) -> dict[str, Any]:
-    evals = store.rows("SELECT * FROM evaluations WHERE experiment_id=? ORDER BY round, level, metric",
-                       [cfg.experiment])
-    summary = store.rows("SELECT * FROM v_round_summary WHERE experiment_id=? AND round=?", [cfg.experiment, round])
-    timings = store.rows("SELECT stage, duration_s FROM stage_runs WHERE experiment_id=? AND round=? "
-                         "AND status='committed' ORDER BY started_at", [cfg.experiment, round])
+    evals = store.evaluations(cfg.experiment)
+    summary = store.round_summary(cfg.experiment, round)
+    timings = store.stage_timings(cfg.experiment, round)
     this_round = [e for e in evals if e["round"] == round]
     table = [{"level": "all" if e["level"] == -1 else e["level"], "metric": e["metric"],
               "value": round_(e["value"]), "n": e["n"]} for e in this_round]
@@ -79,7 +79,7 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     plot = accuracy_per_round(evals, cfg.experiment_dir / "plots" / "accuracy_per_round.png",
                               title=f"{cfg.experiment}: held-out greedy accuracy")
     tracker.log_artifact(plot, artifact_path="plots")
-    all_rounds = store.rows("SELECT * FROM v_round_summary WHERE experiment_id=? ORDER BY round", [cfg.experiment])
+    all_rounds = store.round_summary(cfg.experiment)
     tracker.log_artifact(round_summary(all_rounds, cfg.experiment_dir / "plots" / "round_summary.png",
                                        title=f"{cfg.experiment}: rounds"), artifact_path="plots")
     _register_models(cfg, store, tracker, round, {"policy": ("heldout_greedy_acc", s.get("greedy_acc")),
@@ -93,8 +93,7 @@ def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, roun
                      scores: dict[str, tuple[str, float | None]]) -> None:
     """Each of the round's models becomes a version of `<experiment>-<role>` (policy, prm, orm), tagged
     with its round and the SQL that lists its training data; alias `best` goes by `scores[role]`."""
-    rows = store.rows("SELECT model_id, role, uri, stage_run_id, train_examples FROM models "
-                      "WHERE experiment_id=? AND round=? ORDER BY role", [cfg.experiment, round])
+    rows = store.round_models(cfg.experiment, round)
     if not tracker.enabled:
         return
     for m in rows:
@@ -121,7 +120,7 @@ def run_round(cfg: ExperimentConfig, round: int, tracker: Tracker, only: list[st
     if round > 0:
         _plan_round(cfg, store, round)
     dirty = False
-    for stage in round_stages(cfg, round):
+    for stage in get_recipe(cfg.recipe).round_stages(round):
         if only is not None and stage not in only:
             continue
         committed = store.committed_run(cfg.experiment, round, stage)
@@ -138,7 +137,8 @@ def run_round(cfg: ExperimentConfig, round: int, tracker: Tracker, only: list[st
 
 @flow(name="evolution_round", log_prints=True)
 def evolution_round(config_path: str, round: int, overrides: list[str] | None = None) -> dict[str, Any]:
-    """One round: generate → verify → score → filter → train_policy → evaluate (round 0: bootstrap)."""
+    """One round: the recipe's stages in order (rft: generate → verify → score → filter → train_policy →
+    evaluate; round 0: bootstrap → evaluate)."""
     cfg = _load(config_path, overrides)
     if round > cfg.rounds:
         raise ValueError(f"round {round} is beyond the experiment's rounds={cfg.rounds}")
@@ -192,7 +192,7 @@ def run_stage(experiment: str, round: int, stage: str, downstream: bool = False,
     if not config_path.is_file():
         raise ValueError(f"unknown experiment {experiment!r}: no {config_path}")
     cfg = load_config(config_path)
-    stages = round_stages(cfg, round) if 0 <= round <= cfg.rounds else []
+    stages = get_recipe(cfg.recipe).round_stages(round) if 0 <= round <= cfg.rounds else []
     if not stages:
         raise ValueError(f"experiment {experiment} has rounds 0..{cfg.rounds}; round {round} does not exist")
     if stage not in stages:

@@ -1,7 +1,8 @@
 """One Prefect task per stage. Each adds only orchestration policy: retries, timeouts, tags, logging.
 
 Retries cover transient faults only (the job was killed: OOM, preemption, timeout). A job that
-exits with an error (a verifier bug, bad input) fails the round at once.
+exits with an error (a verifier bug, bad input) fails the round at once. A stage that holds an
+accelerator (`Stage.gpu`) is tagged `gpu`: a tag concurrency limit of 1 serialises them per machine.
 """
 
 from __future__ import annotations
@@ -12,12 +13,10 @@ from prefect.client.schemas.objects import TaskRun
 from prefect.runtime import task_run as task_run_ctx
 from prefect.states import State
 
-from components.config import STAGES, ExperimentConfig
+from components.config import ExperimentConfig
 from components.jobs.launch import StageJobError, StageResult, run_stage_attempt
+from components.stages import STAGES, Stage
 from components.store import Store
-
-# Stages that hold an accelerator: a `gpu` tag concurrency limit of 1 serialises them per machine.
-GPU_STAGES = {"generate", "score", "train_policy", "train_reward", "evaluate"}
 
 
 def is_transient(task: Task, task_run: TaskRun, state: State) -> bool:
@@ -30,24 +29,20 @@ def is_transient(task: Task, task_run: TaskRun, state: State) -> bool:
     return False
 
 
-def _run(cfg: ExperimentConfig, round: int, stage: str, code_version: str | None) -> StageResult:
-    logger = get_run_logger()
-    return run_stage_attempt(cfg, Store(cfg.store_path), round, stage, code_version=code_version,
-                             log=logger.info, task_run_id=str(task_run_ctx.id) if task_run_ctx.id else None)
-
-
-def _make(stage: str) -> Task:
-    tags = ["coevo", f"stage:{stage}"] + (["gpu"] if stage in GPU_STAGES else [])
+def _make(stage: Stage) -> Task:
+    tags = ["coevo", f"stage:{stage.name}"] + (["gpu"] if stage.gpu else [])
 
     def run(cfg: ExperimentConfig, round: int, code_version: str | None = None) -> StageResult:
-        return _run(cfg, round, stage, code_version)
+        return run_stage_attempt(cfg, Store(cfg.store_path), round, stage.name, code_version=code_version,
+                                 log=get_run_logger().info,
+                                 task_run_id=str(task_run_ctx.id) if task_run_ctx.id else None)
 
-    run.__name__ = stage
-    return task(run, name=stage, task_run_name=f"{stage}-r{{round}}", tags=tags,
+    run.__name__ = stage.name
+    return task(run, name=stage.name, task_run_name=f"{stage.name}-r{{round}}", tags=tags,
                 retry_condition_fn=is_transient, persist_result=False, cache_policy=NO_CACHE)
 
 
-STAGE_TASKS: dict[str, Task] = {s: _make(s) for s in STAGES}
+STAGE_TASKS: dict[str, Task] = {name: _make(s) for name, s in STAGES.items()}
 
 
 def stage_task(cfg: ExperimentConfig, stage: str) -> Task:

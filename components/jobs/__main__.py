@@ -21,10 +21,10 @@ from components.seeding import seed_everything
 
 
 def main(argv: list[str] | None = None) -> int:
-    from components.jobs.stages import STAGE_JOBS
+    from components.stages import STAGES
 
     ap = argparse.ArgumentParser(prog="python -m components.jobs", description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=sorted(STAGE_JOBS))
+    ap.add_argument("stage", choices=sorted(STAGES))
     ap.add_argument("--spec", required=True, help="path to the stage spec JSON")
     args = ap.parse_args(argv)
     try:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         out = StageOutputWriter(Path(spec.out_dir))
-        metrics = STAGE_JOBS[spec.stage](spec, out)
+        metrics = STAGES[spec.stage].run(spec, out)
         total = time.perf_counter() - t0
         manifest = Manifest(
             experiment=spec.experiment, round=spec.round, stage=spec.stage, attempt=spec.attempt,

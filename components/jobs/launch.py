@@ -19,7 +19,7 @@ from pathlib import Path
 from components import progress
 from components.config import ExperimentConfig
 from components.manifest import MANIFEST, ManifestError
-from components.planning import build_spec
+from components.stages import build_spec
 from components.store import StageRunRef, Store, StoreError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.config import ExperimentConfig, load_config_dict
 from components.manifest import MANIFEST, read_manifest, sha256_file
+
+T = TypeVar("T")
 
 
 class SpecError(ValueError):
@@ -65,6 +67,18 @@ class StageSpec:
             return cls(**body)
         except (json.JSONDecodeError, TypeError, KeyError) as e:
             raise SpecError(f"{path}: not a valid stage spec: {e}") from None
+
+    def inputs_as(self, cls: type[T]) -> T:
+        """The stage's typed inputs record (`params` holds it as JSON)."""
+        try:
+            return cls(**self.params)
+        except TypeError as e:
+            raise SpecError(f"{self.stage_run_id}: spec params do not match {cls.__name__}: {e}") from None
+
+    def has(self, stage: str, round: int | None = None) -> bool:
+        """Whether the job may read `stage`'s committed output of `round` (this round unless given)."""
+        want = self.round if round is None else round
+        return any(i.stage == stage and i.round == want for i in self.inputs)
 
     def read(self, stage: str, table: str, round: int | None = None) -> pa.Table:
         """Concatenate the committed parts of `table` from upstream `stage` (this round unless given)."""

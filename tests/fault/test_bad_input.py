@@ -26,7 +26,7 @@ import pytest
 from components.config import load_config
 from components.jobs.launch import StageJobError, run_stage_attempt
 from components.manifest import ManifestError
-from components.planning import build_spec
+from components.stages import build_spec
 from components.tracking import code_version
 from tests.fault.conftest import REPO, coevo_cmd, coevo_env, contains
 
@@ -71,7 +71,7 @@ def cli_cases(fault_runs, tmp_path_factory) -> dict[str, Case]:
         run.assert_finished()
     base = tmp_path_factory.mktemp("bad-input")
     corrupt = part(ref, 1, "verify", "verifications")                       # read by score
-    manifest = Path(seed1.store.committed_run(seed1.experiment, 0, "train_policy")["out_dir"]) / "manifest.json"
+    manifest = Path(seed1.store.committed_run(seed1.experiment, 0, "bootstrap")["out_dir"]) / "manifest.json"
     saved = {corrupt: flip_byte(corrupt), manifest: manifest.read_bytes()}
     manifest.write_bytes(saved[manifest] + b"\n")                           # edited after its commit
     jobs = {

@@ -11,7 +11,7 @@ import json
 import pytest
 
 from components.config import load_config
-from components.planning import round_stages
+from components.recipes import get_recipe
 from tests.fault.conftest import KILL_MARKERS, KILL_STAGES, committed, contains, duplicate_keys, rows_of
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def test_flow_kill_between_commits_then_resume(fault_runs):
     assert "marked 1 attempt(s) left running" in killed.logs[1].read_text()
     cfg = load_config(killed.exp_dir / "config.yaml")
     got = committed(runs, exp)
-    want = {(r, s) for r in range(cfg.rounds + 1) for s in round_stages(cfg, r)}
+    want = {(r, s) for r in range(cfg.rounds + 1) for s in get_recipe(cfg.recipe).round_stages(r)}
     assert set(got) == want
     assert not any(r["stale"] for r in got.values())
     # the resume picked up after the last commit: nothing committed before the kill ran again

@@ -6,14 +6,11 @@ Monte Carlo step labels, a PRM per round, PRM-ranked selections, DPO pairs and P
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from components.config import load_config
 from components.store import Store
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO, assert_plans_read_what_they_declare
 pytestmark = pytest.mark.slow
 
 
@@ -38,6 +35,10 @@ def test_rounds_run_train_reward_between_score_and_filter(coevo_run):
     order = [s for (s,) in store.query("SELECT stage FROM stage_runs WHERE experiment_id=? AND round=1 "
                                        "AND status='committed' ORDER BY started_at", [cfg.experiment])[1]]
     assert order == ["generate", "verify", "score", "train_reward", "filter", "train_policy", "evaluate"]
+
+
+def test_every_stage_reads_only_what_it_declares(coevo_run, tmp_path):
+    assert_plans_read_what_they_declare(*coevo_run, tmp_path)
 
 
 def test_step_labels_come_from_rollouts_and_the_oracle(coevo_run):

@@ -9,8 +9,8 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
+from tests.conftest import REPO, assert_plans_read_what_they_declare
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
@@ -26,7 +26,7 @@ def test_every_stage_committed_once(micro_run):
     cols, rows = store.query("SELECT round, stage, status, count(*) FROM stage_runs WHERE experiment_id = 'micro' "
                              "GROUP BY ALL ORDER BY 1, 2")
     got = {(r, s): (st, n) for r, s, st, n in rows}
-    assert got[(0, "train_policy")] == ("committed", 1)
+    assert got[(0, "bootstrap")] == ("committed", 1)
     assert got[(0, "evaluate")] == ("committed", 1)
     for r in (1, 2):
         for s in ("generate", "verify", "score", "filter", "train_policy", "evaluate"):
@@ -67,6 +67,7 @@ def test_mlflow_matches_the_store(micro_run):
     cfg, store, _ = micro_run
     client = MlflowClient(tracking_uri(cfg))
     exp = client.get_experiment_by_name(cfg.experiment)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens on the runs
     runs = client.search_runs([exp.experiment_id])
     parents = [r for r in runs if r.data.tags[TAG_ROUND] == "all"]
     children = [r for r in runs if r.data.tags[TAG_ROUND] != "all"]
@@ -154,3 +155,8 @@ def test_evaluate_model_scores_any_model_path_like_the_round(micro_run, prefect_
     runs = client.search_runs([client.get_experiment_by_name("eval-check").experiment_id])
     assert [r.info.run_name for r in runs] == ["eval:micro-r2"]
     assert runs[0].data.metrics["evaluate/greedy_acc"] == pytest.approx(want[-1])
+
+
+def test_every_stage_reads_only_what_it_declares(micro_run, tmp_path):
+    cfg, store, _ = micro_run
+    assert_plans_read_what_they_declare(cfg, store, tmp_path)

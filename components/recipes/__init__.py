@@ -1,0 +1,60 @@
+"""Recipes: which stages a round runs, in order, and the settings each recipe refuses.
+
+    from components.recipes import get_recipe
+    get_recipe("coevo").round_stages(1)   # ['generate', 'verify', 'score', 'train_reward', 'filter', ...]
+
+A recipe is one small module that defines `RECIPE` (`rft.py`, `coevo.py`); `recipe:` in the config
+names a built-in one or a user's by dotted path (`my_pkg.recipes:RECIPE`). The strategies a recipe's
+stages use are typed config fields (the labeller `score.mc_strategy`, the ranker `filter.rank_by`, the
+trainer `train_policy.method`, the reward model `score.reward_model`); a recipe's `check` refuses the
+ones that contradict it, when the config loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from components.instantiate import locate
+
+if TYPE_CHECKING:
+    from components.config import ExperimentConfig
+
+RECIPES: dict[str, str] = {
+    "rft": "components.recipes.rft:RECIPE",
+    "coevo": "components.recipes.coevo:RECIPE",
+}
+
+
+def _accept(cfg: ExperimentConfig) -> None:  # noqa: ARG001
+    return None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    stages: tuple[str, ...]  # one round's stages (rounds 1+), in order
+    description: str = ""
+    bootstrap: tuple[str, ...] = ("bootstrap", "evaluate")  # round 0
+    # Raises ValueError, saying what to set, for a config that contradicts the recipe.
+    check: Callable[[ExperimentConfig], None] = _accept
+
+    def round_stages(self, round: int) -> list[str]:
+        return list(self.bootstrap if round == 0 else self.stages)
+
+
+def get_recipe(name: str) -> Recipe:
+    """A built-in recipe by name, or a user's by dotted path 'pkg.module:RECIPE'."""
+    if name in RECIPES:
+        return locate(RECIPES[name])
+    if ":" not in name:
+        raise ValueError(f"unknown recipe {name!r}: known recipes are {sorted(RECIPES)}, or give a dotted path "
+                         "'pkg.module:RECIPE'")
+    recipe = locate(name)
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"{name!r} is a {type(recipe).__name__}, not a components.recipes.Recipe")
+    return recipe
+
+
+__all__ = ["RECIPES", "Recipe", "get_recipe"]

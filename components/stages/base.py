@@ -1,0 +1,181 @@
+"""What a stage is: its definition (`Stage`), how it plans its inputs (`Planner`) and the helpers its job body shares.
+
+A stage module (`components/stages/generate.py`, ...) defines three things and registers them as one `Stage`:
+
+- `Inputs`, a dataclass: the typed record of what the stage reads besides committed tables (model URIs,
+  levels, seeds). It crosses the process boundary inside the spec as JSON.
+- `plan(p: Planner) -> Inputs`: resolved against the store in the flow's process; it names every committed
+  upstream output the job may read with `p.read(stage, round)`.
+- `run(spec: StageSpec, out: StageOutputWriter) -> metrics`: the job body, in its own process. It reads
+  `spec.inputs_as(Inputs)` and committed Parquet (`spec.rows`), calls pure functions and writes rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.config import ExperimentConfig
+from components.jobs.spec import InputRef, StageSpec
+from components.manifest import StageOutputWriter, read_manifest, sha256_dir
+from components.store import Store
+from components.tables import to_table
+
+
+class PlanningError(RuntimeError):
+    """An upstream stage has no committed attempt; the stage cannot run yet."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str  # also the `stage` column, the task name and the MLflow metric prefix
+    section: str  # the config section it reads (`cfg.<section>`)
+    gpu: bool  # holds an accelerator: a `gpu` tag concurrency limit serialises these per machine
+    reads: tuple[str, ...]  # stages (of any round) whose committed outputs it may read
+    writes: tuple[str, ...]  # store tables it writes
+    inputs: type  # the typed record `plan` returns and `run` reads
+    plan: Callable[[Planner], Any]
+    run: Callable[[StageSpec, StageOutputWriter], dict[str, float]]
+    # The name its seed is derived under, where that is not its own: `bootstrap` was round 0's
+    # `train_policy` before it became a stage, and keeps its seed so stored experiments reproduce.
+    seed_name: str | None = None
+
+
+@dataclass
+class Planner:
+    """What `plan` sees: the config, the store, the round, the stages the recipe runs in it, and the
+    committed inputs collected so far."""
+
+    cfg: ExperimentConfig
+    store: Store
+    round: int
+    round_stages: list[str]
+    refs: list[InputRef] = field(default_factory=list)
+
+    def read(self, stage: str, round: int | None = None) -> None:
+        """Let the job read `stage`'s committed output of `round` (this round by default)."""
+        self.refs.append(input_ref(self.store, self.cfg.experiment, self.round if round is None else round, stage))
+
+    def model(self, round: int, role: str = "policy") -> dict[str, Any]:
+        m = self.store.committed_model(self.cfg.experiment, round, role)
+        if m is None:
+            raise PlanningError(f"{self.cfg.experiment} round {round}: no committed {role} model")
+        return m
+
+    def optional_model(self, round: int, role: str) -> dict[str, Any] | None:
+        return self.store.committed_model(self.cfg.experiment, round, role)
+
+
+def input_ref(store: Store, experiment: str, round: int, stage: str) -> InputRef:
+    run = store.committed_run(experiment, round, stage)
+    if run is None:
+        raise PlanningError(f"{experiment} round {round}: stage {stage!r} has no committed attempt")
+    out_dir = Path(run["out_dir"])
+    m = read_manifest(out_dir / "manifest.json")
+    if m.sha256 != run["manifest_sha256"]:
+        raise PlanningError(
+            f"{out_dir}/manifest.json changed after it was committed (sha256 {m.sha256[:12]}… vs "
+            f"{run['manifest_sha256'][:12]}…): the committed output was tampered with"
+        )
+    tables: dict[str, list[str]] = {}
+    for o in m.outputs:
+        tables.setdefault(o["table"], []).append(str(out_dir / o["path"]))
+    return InputRef(round=round, stage=stage, stage_run_id=run["stage_run_id"], dir=str(out_dir),
+                    manifest_sha256=run["manifest_sha256"], tables=tables)
+
+
+# -- helpers the job bodies share ------------------------------------------------------------------
+
+def log(stage: str, msg: str) -> None:
+    print(f"[{stage}] {msg}", flush=True)
+
+
+def domain_of(spec: StageSpec):
+    from components.domains import get_domain
+
+    cfg = spec.cfg()
+    return get_domain(cfg.domain.name, **cfg.domain.options)
+
+
+def backend_of(spec: StageSpec, model_uri: str):
+    from components.models.backends import get_backend
+
+    g = spec.cfg().generate
+    return get_backend(g.backend, model_uri, batch_size=g.batch_size, **g.backend_options)
+
+
+def write(out: StageOutputWriter, **tables: list[dict[str, Any]]) -> None:
+    for name, rows in tables.items():
+        out.write_table(name, to_table(name, rows))
+
+
+def unique(problems: list) -> list:
+    """Drop repeats (a small level can have fewer distinct problems than asked for), keeping order."""
+    seen: set[str] = set()
+    return [p for p in problems if not (p.problem_id in seen or seen.add(p.problem_id))]
+
+
+def steps_by_trajectory(steps: list[dict[str, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for r in sorted(steps, key=lambda r: (r["trajectory_id"], r["step_index"])):
+        out.setdefault(r["trajectory_id"], []).append(r["text"])
+    return out
+
+
+def problems_by_id(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    from components.domains.base import Problem
+
+    return {p["problem_id"]: Problem(p["problem_id"], p["domain"], p["level"], p["prompt"], p["answer"])
+            for p in rows}
+
+
+def reward_scores(spec: StageSpec, name: str, uri: str | None, model_id: str | None, trajs: list[dict[str, Any]],
+                  steps: dict[str, list[str]], reference_uri: str | None = None) -> list[dict[str, Any]]:
+    """`scores` rows of one reward model over `trajs`, built with the domain's step separator."""
+    from components.rewards import load_reward_model, score_rows
+
+    rm = load_reward_model(name, uri, separator=domain_of(spec).step_separator, reference_uri=reference_uri,
+                           beta=spec.cfg().score.implicit_beta)
+    return score_rows(rm, model_id, trajs, steps)
+
+
+def model_id(spec: StageSpec, role: str = "policy") -> str:
+    return f"{spec.experiment}/{role}/r{spec.round}"
+
+
+def model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str, parent: str | None,
+              train_examples: int) -> dict[str, Any]:
+    return {"model_id": model_id(spec, role), "experiment_id": spec.experiment, "role": role, "round": spec.round,
+            "uri": str(Path(spec.out_dir) / artifact), "sha256": sha256_dir(model_dir), "parent_model_id": parent,
+            "train_examples": train_examples, "mlflow_run_id": None, "registered_name": None,
+            "registered_version": None}
+
+
+def model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: int, use: str | None = None) -> dict[str, Any]:
+    use = use or ("new" if source_round == spec.round else "replay")
+    return {"model_id": model_id(spec, role), "trajectory_id": trajectory_id, "source_round": source_round, "use": use}
+
+
+def selected(spec: StageSpec, round: int) -> dict[str, dict[str, Any]]:
+    """Trajectories selected for policy SFT in `round` (round 0: the demonstrations `bootstrap` stored)."""
+    src_t, src_s = ("bootstrap", "bootstrap") if round == 0 else ("generate", "filter")
+    trajs = {t["trajectory_id"]: t for t in spec.rows(src_t, "trajectories", round=round)}
+    return {s["trajectory_id"]: trajs[s["trajectory_id"]] for s in spec.rows(src_s, "selections", round=round)
+            if s["selected"] and s["purpose"] == "policy_sft"}
+
+
+def train_progress(stage: str) -> Callable[[int, int, float | None], None]:
+    def report(step: int, total: int, loss: float | None) -> None:
+        loss_s = f", loss {loss:.4f}" if loss is not None else ""
+        log(stage, f"step {step}/{total}{loss_s}")
+    return report
+
+
+def copy_model(uri: str, dest: Path) -> None:
+    from components.models.tiny import load_policy
+
+    model, tok = load_policy(uri)
+    model.save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)

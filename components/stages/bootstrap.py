@@ -1,0 +1,58 @@
+"""`bootstrap` (round 0): the gold demonstrations, and the first policy trained on them by SFT, from
+`policy.model` or from a from-scratch tiny Llama."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter, sha256_dir
+from components.stages.base import Planner, Stage, domain_of, log, model_id, train_progress, write
+
+
+@dataclass
+class Inputs:
+    init_uri: str | None  # policy.model; None builds a tiny Llama from scratch
+
+
+def plan(p: Planner) -> Inputs:
+    return Inputs(init_uri=p.cfg.policy.model)
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.models.tiny import TinyLlamaConfig, create_tiny_llama
+    from components.training.data import demonstrations
+    from components.training.sft import SFTParams, train_sft
+
+    cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
+    b = cfg.bootstrap
+    problems, trajs, sels = demonstrations(domain_of(spec), b, spec.seed, spec.experiment)
+    if not trajs:
+        raise RuntimeError(f"{spec.stage_run_id}: the bootstrap has no demonstrations; nothing to train on")
+    init_uri = inp.init_uri
+    if init_uri is None:
+        init_dir = out.artifact_dir("init_model")  # kept: the random init is part of the lineage
+        init_uri = str(create_tiny_llama(TinyLlamaConfig(**cfg.policy.tiny.model_dump()), init_dir, seed=spec.seed))
+        log("bootstrap", f"created a from-scratch tiny Llama at {init_uri}")
+    examples = [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajs]
+    model_dir = out.artifact_dir("model")
+    log("bootstrap", f"SFT on {len(examples)} examples, {b.steps} steps of batch {b.batch_size}, from {init_uri}")
+    metrics = train_sft(init_uri, examples, str(model_dir),
+                        SFTParams(max_steps=b.steps, batch_size=b.batch_size, learning_rate=b.learning_rate,
+                                  seed=spec.seed), progress_callback=train_progress("bootstrap"))
+    inputs = [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": 0, "use": "new"}
+              for t in trajs]
+    models = [{"model_id": model_id(spec), "experiment_id": spec.experiment, "role": "policy", "round": spec.round,
+               "uri": str(Path(spec.out_dir) / "model"), "sha256": sha256_dir(model_dir), "parent_model_id": None,
+               "train_examples": len(inputs), "mlflow_run_id": None, "registered_name": None,
+               "registered_version": None}]
+    write(out, models=models, problems=problems, trajectories=trajs, selections=sels, model_inputs=inputs)
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
+                                                                                      "dpo_pairs": 0}
+
+
+# Its seed is round 0's `train_policy` seed, as before it was a stage of its own: stored experiments reproduce.
+STAGE = Stage(name="bootstrap", section="bootstrap", gpu=True, reads=(),
+              writes=("problems", "trajectories", "selections", "models", "model_inputs"),
+              inputs=Inputs, plan=plan, run=run, seed_name="train_policy")

@@ -1,0 +1,107 @@
+"""`filter`: choose what the policy trains on (the ranker): right answers, deduplicated, ranked by the
+reward model where the round has one, and optionally DPO pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter
+from components.stages.base import Planner, Stage, domain_of, log, steps_by_trajectory, write
+
+# Reward models rank in this order where a round has several; a user's reward model (dotted path) after them.
+RANKERS = ("prm", "implicit", "orm")
+
+
+@dataclass
+class Inputs:
+    pass  # this round's committed generate, verify and (where the recipe runs it) score outputs
+
+
+def plan(p: Planner) -> Inputs:
+    for stage in ("generate", "verify", "score"):
+        if stage in p.round_stages:
+            p.read(stage)
+    return Inputs()
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.filtering import dpo_pairs, rft_filter
+    from components.reward_eval import repeated_step_rate
+    from components.scoring import outcome_scores
+
+    f = spec.cfg().filter
+    trajs = spec.rows("generate", "trajectories")
+    vers = spec.rows("verify", "verifications")
+    correct = {v["trajectory_id"]: v["correct"] for v in vers}
+    scored = spec.has("score")
+    scores, source = ranking_scores(spec.rows("score", "scores") if scored else outcome_scores(vers),
+                                    spec.rows("score", "step_labels") if scored else [], f.rank_by)
+    steps_ok: dict[str, bool | None] | None = None
+    if f.check_steps:
+        domain = domain_of(spec)
+        steps_ok = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
+    bad: set[str] = set()
+    if f.drop_mc_bad_steps and scored:
+        bad |= {lab["trajectory_id"] for lab in spec.rows("score", "step_labels")
+                if lab["source"] == "mc_hard" and lab["value"] == 0.0}
+    if f.min_step_score is not None and scored:
+        bad |= {s["trajectory_id"] for s in spec.rows("score", "scores") if s["scorer"] == "prm"
+                and s["aggregate"] == "min" and s["value"] < f.min_step_score}
+    if bad:
+        steps_ok = {t["trajectory_id"]: (steps_ok or {}).get(t["trajectory_id"]) is not False
+                    and t["trajectory_id"] not in bad for t in trajs}
+    rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
+                      dedup=f.dedup, max_per_problem=f.max_per_problem, steps_ok=steps_ok)
+    n_sel = sum(r["selected"] for r in rows)
+    metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
+    if f.dpo_pairs:
+        eligible = {t["trajectory_id"]: (steps_ok or {}).get(t["trajectory_id"]) is not False for t in trajs}
+        pairs = dpo_pairs(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
+                          max_pairs_per_problem=f.max_pairs_per_problem, eligible=eligible)
+        rows += pairs
+        metrics["dpo_pairs"] = len(pairs) // 2
+    # Reward-hacking monitor: what the filter keeps should not drift longer or repetitive round to round.
+    by_id = {t["trajectory_id"]: t for t in trajs}
+    kept = [by_id[r["trajectory_id"]] for r in rows if r["selected"] and r["purpose"] == "policy_sft"]
+    if kept:
+        metrics["selected_mean_tokens"] = sum(t["num_tokens"] for t in kept) / len(kept)
+        steps = steps_by_trajectory(spec.rows("generate", "steps"))
+        metrics["selected_repeated_step_rate"] = repeated_step_rate([steps.get(t["trajectory_id"], []) for t in kept])
+        ranked = [scores[t["trajectory_id"]] for t in kept if t["trajectory_id"] in scores]
+        if source != "outcome" and ranked:
+            metrics["selected_mean_rank_score"] = sum(ranked) / len(ranked)
+    write(out, selections=rows)
+    log("filter", f"selected {n_sel} of {len(trajs)} trajectories for policy_sft, ranked by {source}"
+                  + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else ""))
+    return metrics
+
+
+def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]],
+                   aggregate: str) -> tuple[dict[str, float], str]:
+    """What ranks trajectories: a reward model's aggregate where the score stage has one (an outcome
+    reward model's single score), else the mean Monte Carlo value of the steps (round 1 of coevo),
+    else the verifier outcome.
+
+    >>> s = [{"trajectory_id": "t", "scorer": "outcome", "step_index": -1, "aggregate": "outcome", "value": 1.0}]
+    >>> ranking_scores(s, [{"trajectory_id": "t", "source": "mc_soft", "value": 0.5}], "min")
+    ({'t': 0.5}, 'mc_soft mean')
+    """
+    others = sorted({s["scorer"] for s in scores} - {*RANKERS, "outcome"})
+    for scorer in (*RANKERS, *others):
+        got = {s["trajectory_id"]: (s["value"], s["aggregate"]) for s in scores
+               if s["scorer"] == scorer and s["step_index"] == -1 and s["aggregate"] in (aggregate, "outcome")}
+        if got:
+            return {t: v for t, (v, _) in got.items()}, f"{scorer} {next(iter(got.values()))[1]}"
+    mc: dict[str, list[float]] = {}
+    for lab in step_labels:
+        if lab["source"] == "mc_soft":
+            mc.setdefault(lab["trajectory_id"], []).append(lab["value"])
+    if mc:
+        return {t: sum(v) / len(v) for t, v in mc.items()}, "mc_soft mean"
+    return {s["trajectory_id"]: s["value"] for s in scores if s["scorer"] == "outcome"}, "outcome"
+
+
+STAGE = Stage(name="filter", section="filter", gpu=False, reads=("generate", "verify", "score"),
+              writes=("selections",), inputs=Inputs, plan=plan, run=run)

@@ -1,0 +1,105 @@
+"""`generate`: sample the previous round's policy on the round's curriculum problems (optionally until
+right, optionally step by step under the previous PRM)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter
+from components.seeding import derive_seed
+from components.stages.base import Planner, PlanningError, Stage, backend_of, domain_of, log, unique, write
+
+
+@dataclass
+class Inputs:
+    levels: list[int]
+    policy_uri: str
+    policy_model_id: str
+    problem_seeds: dict[str, int]  # one per level (the shard), so adding a level does not reshuffle the others
+    search_prm_uri: str | None = None  # the previous round's PRM, where generate.search is on
+    search_prm_id: str | None = None
+
+
+def plan(p: Planner) -> Inputs:
+    cfg, exp = p.cfg, p.cfg.experiment
+    levels = p.store.round_plan(exp, p.round)
+    if levels is None:
+        raise PlanningError(f"{exp} round {p.round}: no curriculum plan")
+    policy = p.model(p.round - 1)
+    inputs = Inputs(levels=levels, policy_uri=policy["uri"], policy_model_id=policy["model_id"],
+                    problem_seeds={str(lv): derive_seed(cfg.seed, p.round, "problems", lv) for lv in levels})
+    prm = p.optional_model(p.round - 1, "prm") if cfg.generate.search is not None else None
+    if prm:  # round 1 has no PRM yet: it samples plainly
+        inputs.search_prm_uri, inputs.search_prm_id = prm["uri"], prm["model_id"]
+    return inputs
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.generation import generate
+
+    cfg, domain, inp = spec.cfg(), domain_of(spec), spec.inputs_as(Inputs)
+    g = cfg.generate
+    problems = []
+    for level in inp.levels:
+        problems += domain.sample_problems(level, g.problems_per_level, seed=inp.problem_seeds[str(level)])
+    problems = unique(problems)
+    per = (f"up to {g.samples_per_problem} samples each, {g.wave_size} per wave until {g.until_correct} right"
+           if g.until_correct else f"{g.samples_per_problem} samples each")
+    log("generate", f"{len(problems)} problems at levels {inp.levels}, {per}")
+    t0 = time.perf_counter()
+    backend = backend_of(spec, inp.policy_uri)
+    search_stats: dict[str, float] = {}
+    search = _step_search(spec, domain, backend, inp, search_stats) if inp.search_prm_uri else None
+    wave_stats: dict[str, float] = {}
+    kw = dict(experiment=spec.experiment, round=spec.round, purpose="train", policy_model_id=inp.policy_model_id,
+              temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens, sample=search)
+    if g.until_correct is None:
+        batch = generate(domain, backend, problems, n=g.samples_per_problem, seed=spec.seed, **kw)
+    else:
+        from components.generation import generate_until_correct
+        from components.verification import resolve_verifier
+
+        # The verify stage's own function, so "right" here is what it will store.
+        _, verifier = resolve_verifier(domain, cfg.verify.verifier)
+        batch, wave_stats = generate_until_correct(
+            domain, backend, problems, verifier=verifier, want=g.until_correct, wave_size=g.wave_size,
+            n=g.samples_per_problem, seed=spec.seed, progress=lambda msg: log("generate", msg), **kw)
+    dt = time.perf_counter() - t0
+    write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps)
+    log("generate", f"{len(batch.trajectories)} trajectories, {batch.num_tokens} tokens in {dt:.1f}s")
+    metrics = {"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
+               "tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
+    metrics |= {f"adaptive_{k}": float(v) for k, v in wave_stats.items()}
+    if search_stats:
+        # Discarded step draws are generation too: v_round_summary counts them in the round's budget.
+        metrics |= {f"search_{k}": float(v) for k, v in search_stats.items()}
+        log("generate", f"search: {search_stats['redraws']} redrawn steps, {search_stats['discarded_tokens']} "
+                        f"discarded tokens, {search_stats['accepted_below_threshold']} steps kept below threshold")
+    return metrics
+
+
+def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str, float]):
+    """A `sample` function for `generate`: each step drawn until the previous round's PRM accepts it."""
+    from components.rewards import load_reward_model
+    from components.search import prm_step_search
+
+    s = spec.cfg().generate.search
+    scorer = load_reward_model("prm", inp.search_prm_uri, separator=domain.step_separator)
+    log("generate", f"PRM-guided steps ({inp.search_prm_id}): up to {s.max_tries} draws "
+                    f"per step, keep at P(good) >= {s.threshold}")
+
+    def search(prompts, n, temperature, top_p, max_new_tokens, seed, stop=None):
+        out, got = prm_step_search(domain, backend, scorer.score_steps, prompts, n=n, max_tries=s.max_tries,
+                                   threshold=s.threshold, temperature=temperature, top_p=top_p,
+                                   max_new_tokens=max_new_tokens, seed=seed, max_steps=s.max_steps,
+                                   progress=lambda msg: log("generate", msg))
+        for k, v in got.items():  # summed over waves (generate.until_correct)
+            stats[k] = stats.get(k, 0) + v
+        return out
+    return search
+
+
+STAGE = Stage(name="generate", section="generate", gpu=True, reads=(), writes=("problems", "trajectories", "steps"),
+              inputs=Inputs, plan=plan, run=run)

@@ -1,0 +1,100 @@
+"""`score`: outcome scores, Monte Carlo step labels (the labeller), oracle step labels for evaluation, and the
+previous round's reward model's scores."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter
+from components.rewards import REWARD_MODELS, TRAINED
+from components.stages.base import (Planner, Stage, backend_of, domain_of, log, problems_by_id, reward_scores,
+                                    steps_by_trajectory, write)
+
+
+@dataclass
+class Inputs:
+    policy_uri: str  # the policy that sampled the round: it rolls out the Monte Carlo labels
+    policy_model_id: str
+    reward_model: str | None = None  # config name or dotted path; None: no reward model scores this round
+    reward_model_uri: str | None = None
+    reward_model_id: str | None = None
+    reference_uri: str | None = None  # the implicit PRM's reference
+
+
+def plan(p: Planner) -> Inputs:
+    p.read("generate")
+    p.read("verify")
+    cfg = p.cfg
+    policy = p.model(p.round - 1)
+    inputs = Inputs(policy_uri=policy["uri"], policy_model_id=policy["model_id"])
+    rm = cfg.score.reward_model
+    if rm == "implicit":
+        if p.round > 1:  # round 1's policy is the reference itself: a log-ratio of 0 everywhere
+            inputs = Inputs(policy["uri"], policy["model_id"], rm, policy["uri"], policy["model_id"],
+                            p.model(0)["uri"])
+    elif rm in TRAINED:
+        trained = p.optional_model(p.round - 1, rm)
+        if trained:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
+            inputs = Inputs(policy["uri"], policy["model_id"], rm, trained["uri"], trained["model_id"])
+    elif rm != "none" and rm not in REWARD_MODELS:  # a user's reward model by dotted path: nothing to train
+        inputs = Inputs(policy["uri"], policy["model_id"], rm, None, rm)
+    return inputs
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.labeling import mc_first_error_labels, mc_step_labels, oracle_labels
+    from components.scoring import choose_for_mc, outcome_scores, plan_first_error
+
+    cfg, domain, inp = spec.cfg(), domain_of(spec), spec.inputs_as(Inputs)
+    sc = cfg.score
+    trajs = spec.rows("generate", "trajectories")
+    vers = spec.rows("verify", "verifications")
+    steps = steps_by_trajectory(spec.rows("generate", "steps"))
+    problems = problems_by_id(spec.rows("generate", "problems"))
+    rows = outcome_scores(vers)
+    labels: list[dict[str, Any]] = []
+    metrics: dict[str, float] = {"scored": len(trajs)}
+    items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"], "prompt": t["prompt"],
+              "steps": steps.get(t["trajectory_id"], []), "answer_ref": problems[t["problem_id"]].answer}
+             for t in trajs]
+    if sc.mc_rollouts:
+        correct = {v["trajectory_id"]: v["correct"] for v in vers}
+        if sc.mc_strategy == "first_error":
+            chosen, alive = plan_first_error(trajs, correct, sc.mc_max_trajectories, spec.seed, sc.mc_search_unsolved)
+            for it in items:
+                it["root_alive"] = it["problem_id"] in alive
+        else:
+            chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, spec.seed))
+        todo = [it for it in items if it["trajectory_id"] in chosen]
+        log("score", f"Monte Carlo labels ({sc.mc_strategy}): {len(todo)} trajectories, k={sc.mc_rollouts} rollouts "
+                     "per step prefix")
+        t0 = time.perf_counter()
+        label_fn = mc_first_error_labels if sc.mc_strategy == "first_error" else mc_step_labels
+        mc, stats = label_fn(domain, backend_of(spec, inp.policy_uri), todo, k=sc.mc_rollouts,
+                             temperature=sc.mc_temperature,
+                             max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
+        labels += mc
+        metrics |= {f"mc_{k}": float(v) for k, v in stats.items()} | {"mc_seconds": time.perf_counter() - t0}
+        log("score", f"{stats['rollouts']} rollouts from {stats['unique_prefixes']} distinct prefixes, "
+                     f"{stats['generated_tokens']} tokens")
+    if sc.oracle_labels:
+        oracle = oracle_labels(domain, problems, [it for it in items if it["steps"]])
+        labels += oracle  # for evaluation only: train_reward reads Monte Carlo sources alone
+        metrics["oracle_labelled_steps"] = len(oracle)
+    if inp.reward_model is not None:
+        rm_rows = reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
+                                reference_uri=inp.reference_uri)
+        rows += rm_rows
+        mins = [r["value"] for r in rm_rows if r["aggregate"] in ("min", "outcome") and r["step_index"] == -1]
+        metrics["rm_mean_score"] = sum(mins) / max(len(mins), 1)
+        log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
+    write(out, scores=rows, step_labels=labels)
+    metrics["mean_outcome"] = sum(r["value"] for r in rows if r["scorer"] == "outcome") / max(len(trajs), 1)
+    return metrics
+
+
+STAGE = Stage(name="score", section="score", gpu=True, reads=("generate", "verify"), writes=("scores", "step_labels"),
+              inputs=Inputs, plan=plan, run=run)

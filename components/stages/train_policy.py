@@ -1,0 +1,120 @@
+"""`train_policy` (rounds 1+): the trainer. SFT on the round's selections mixed with replayed earlier ones,
+and/or DPO on the filter's pairs; a round that kept nothing carries its policy over unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter, sha256_dir
+from components.stages.base import (Planner, Stage, copy_model, log, model_id, selected, train_progress,
+                                    write)
+
+
+@dataclass
+class Inputs:
+    init_uri: str  # the previous round's policy (train_policy.init=previous) or round 0's
+    parent_model_id: str
+    replay_ratio: float
+    dpo_reference_uri: str | None = None  # where train_policy.method trains on pairs
+    dpo_reference_model_id: str | None = None
+
+
+def plan(p: Planner) -> Inputs:
+    tp = p.cfg.train_policy
+    parent = p.model(p.round - 1 if tp.init == "previous" else 0)
+    inputs = Inputs(init_uri=parent["uri"], parent_model_id=parent["model_id"], replay_ratio=tp.replay_ratio)
+    if tp.method != "sft":
+        ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
+        inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
+    # This round's selections are new data; earlier rounds' (demos included) are the replay pool.
+    p.read("bootstrap", 0)
+    for r in range(1, p.round + 1):
+        p.read("generate", r)
+        p.read("filter", r)
+    return inputs
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.training.data import replay_mix, sft_steps
+    from components.training.sft import SFTParams, train_sft
+
+    cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
+    tp = cfg.train_policy
+    model_dir = out.artifact_dir("model")
+    new = selected(spec, spec.round)
+    pool = {tid: t for r in range(spec.round) for tid, t in selected(spec, r).items() if tid not in new}
+    chosen = replay_mix(new, pool, inp.replay_ratio, spec.seed)
+    examples = [{"prompt": t["prompt"], "completion": t["completion"]} for _, t, _ in chosen]
+    sft_inputs = [{"model_id": model_id(spec), "trajectory_id": tid, "source_round": t["round"], "use": use}
+                  for tid, t, use in chosen]
+    log("train_policy", f"{len(new)} new selections + {len(chosen) - len(new)} replayed from {len(pool)} earlier ones")
+    steps = sft_steps(tp.steps, tp.epochs, len(examples), tp.batch_size)
+    if not examples:
+        log("train_policy", "WARNING: no trajectory was selected this round; the policy carries over unchanged")
+    pairs, pair_inputs = round_pairs(spec) if tp.method != "sft" else ([], [])
+    metrics: dict[str, Any] = {}
+    dpo_from = inp.init_uri
+    if tp.method != "dpo":
+        # SFT first; with pairs to follow, its model is kept as an artifact of its own (lineage).
+        sft_dir = model_dir if tp.method == "sft" or not pairs else out.artifact_dir("sft_model")
+        log("train_policy", f"SFT on {len(examples)} examples, {steps} steps of batch {tp.batch_size}, "
+                            f"from {inp.init_uri}")
+        if steps > 0:
+            metrics = train_sft(inp.init_uri, examples, str(sft_dir),
+                                SFTParams(max_steps=steps, batch_size=tp.batch_size, learning_rate=tp.learning_rate,
+                                          seed=spec.seed), progress_callback=train_progress("train_policy"))
+        else:
+            copy_model(inp.init_uri, sft_dir)
+            metrics = {"train_loss": float("nan"), "steps": 0}
+        dpo_from = str(sft_dir)
+    model_inputs = sft_inputs
+    if tp.method != "sft":
+        # Under 'dpo' the SFT selections trained nothing; under 'sft+dpo' a chosen side is often an SFT example too.
+        kept = sft_inputs if tp.method == "sft+dpo" else []
+        known = {m["trajectory_id"] for m in kept}
+        model_inputs = kept + [m for m in pair_inputs if m["trajectory_id"] not in known]
+        if pairs:
+            from components.training.dpo import DPOParams, train_dpo
+
+            d = tp.dpo
+            log("train_policy", f"DPO on {len(pairs)} pairs, {d.steps} steps, beta {d.beta}, from {dpo_from}, "
+                                f"reference {inp.dpo_reference_model_id}")
+            dpo = train_dpo(dpo_from, inp.dpo_reference_uri, pairs, str(model_dir),
+                            DPOParams(max_steps=d.steps, batch_size=d.batch_size, learning_rate=d.learning_rate,
+                                      beta=d.beta, sft_weight=d.sft_weight, seed=spec.seed),
+                            progress_callback=train_progress("train_policy"))
+            metrics |= {f"dpo_{k}": v for k, v in dpo.items()}
+        elif tp.method == "dpo":
+            log("train_policy", "WARNING: no DPO pair this round; the policy carries over unchanged")
+            copy_model(inp.init_uri, model_dir)
+    models = [{
+        "model_id": model_id(spec), "experiment_id": spec.experiment, "role": "policy", "round": spec.round,
+        "uri": str(Path(spec.out_dir) / "model"), "sha256": sha256_dir(model_dir), "parent_model_id": inp.parent_model_id,
+        "train_examples": len(model_inputs), "mlflow_run_id": None, "registered_name": None, "registered_version": None,
+    }]
+    write(out, models=models, model_inputs=model_inputs)
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
+                                                                                      "dpo_pairs": len(pairs)}
+
+
+def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+    """This round's DPO pairs ({"prompt", "chosen", "rejected"}) and their `model_inputs` rows."""
+    trajs = {t["trajectory_id"]: t for t in spec.rows("generate", "trajectories")}
+    sides: dict[str, dict[str, str]] = {}
+    for s in spec.rows("filter", "selections"):
+        if s["selected"] and s["purpose"] in ("dpo_chosen", "dpo_rejected"):
+            sides.setdefault(s["pair_id"], {})[s["purpose"]] = s["trajectory_id"]
+    pairs, inputs = [], []
+    for pid in sorted(sides):
+        c, r = trajs[sides[pid]["dpo_chosen"]], trajs[sides[pid]["dpo_rejected"]]
+        pairs.append({"prompt": c["prompt"], "chosen": c["completion"], "rejected": r["completion"]})
+        inputs += [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": spec.round,
+                    "use": use} for t, use in ((c, "dpo_chosen"), (r, "dpo_rejected"))]
+    return pairs, inputs
+
+
+STAGE = Stage(name="train_policy", section="train_policy", gpu=True, reads=("bootstrap", "generate", "filter"),
+              writes=("models", "model_inputs"), inputs=Inputs, plan=plan, run=run)

@@ -1,0 +1,121 @@
+"""`train_reward` (recipe coevo): the round's PRM on the Monte Carlo labels of `label_rounds`, and optionally
+an ORM on outcomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from components.config import ExperimentConfig
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter
+from components.stages.base import (Planner, Stage, domain_of, log, model_input, model_row, selected,
+                                    steps_by_trajectory, write)
+
+
+@dataclass
+class Inputs:
+    policy_uri: str  # the backbone a new PRM starts from: the policy that sampled the round
+    label_rounds: list[int]
+    init_prm_uri: str | None = None  # the previous PRM, with train_reward.init=previous
+    parent_model_id: str | None = None
+
+
+def label_rounds(cfg: ExperimentConfig, round: int) -> list[int]:
+    """Rounds whose step labels train this round's reward model: all so far, or the last `window_rounds`.
+
+    >>> from components.config import load_config_dict
+    >>> label_rounds(load_config_dict({"experiment": "x", "train_reward": {"window_rounds": 2}}), 5)
+    [4, 5]
+    """
+    w = cfg.train_reward.window_rounds
+    return list(range(1 if w is None else max(1, round - w + 1), round + 1))
+
+
+def plan(p: Planner) -> Inputs:
+    tr = p.cfg.train_reward
+    policy = p.model(p.round - 1)
+    prev = p.optional_model(p.round - 1, "prm")
+    rounds = label_rounds(p.cfg, p.round)
+    for r in rounds:
+        for stage in ("generate", "verify", "score"):
+            p.read(stage, r)
+    if tr.demos:
+        p.read("bootstrap", 0)
+    return Inputs(policy_uri=policy["uri"], label_rounds=rounds,
+                  init_prm_uri=prev["uri"] if prev and tr.init == "previous" else None,
+                  parent_model_id=prev["model_id"] if prev else None)
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.labeling import demo_prm_examples, prm_examples
+    from components.rewards.prm import PRMParams, train_prm
+
+    cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
+    tr = cfg.train_reward
+    domain = domain_of(spec)
+    examples, decisions, outcome_examples, labelled_round = [], [], [], {}
+    for r in inp.label_rounds:
+        trajs = spec.rows("generate", "trajectories", round=r)
+        steps = steps_by_trajectory(spec.rows("generate", "steps", round=r))
+        labels: dict[str, dict[int, dict[str, float]]] = {}
+        for lab in spec.rows("score", "step_labels", round=r):
+            labels.setdefault(lab["trajectory_id"], {}).setdefault(lab["step_index"], {})[lab["source"]] = lab["value"]
+        prior: dict[str, list[float]] = {}
+        for sc in sorted(spec.rows("score", "scores", round=r), key=lambda x: x["step_index"]):
+            if sc["scorer"] == "prm" and sc["aggregate"] == "step":
+                prior.setdefault(sc["trajectory_id"], []).append(sc["value"])
+        items = [{"trajectory_id": t["trajectory_id"], "prompt": t["prompt"], "steps": steps.get(t["trajectory_id"], [])}
+                 for t in sorted(trajs, key=lambda t: t["trajectory_id"])]
+        ex, dec = prm_examples(items, labels, source=tr.label_source, soft_threshold=tr.soft_threshold,
+                               prior_scores=prior, consensus=tr.consensus_filter)
+        examples += ex
+        labelled_round |= {e["trajectory_id"]: r for e in ex}
+        if r == spec.round:  # each trajectory's decision is made once, in its own round
+            decisions = [d | {"experiment_id": spec.experiment, "round": r, "purpose": "reward_train",
+                              "rank": None, "pair_id": None} for d in dec]
+        if tr.orm:
+            correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications", round=r)}
+            outcome_examples += [{"prompt": t["prompt"], "completion": t["completion"], "label": bool(correct[t["trajectory_id"]]),
+                                  "trajectory_id": t["trajectory_id"], "round": r}
+                                 for t in trajs if correct.get(t["trajectory_id"]) is not None]
+    if not examples:
+        raise RuntimeError(f"{spec.stage_run_id}: no Monte Carlo step labels in rounds {inp.label_rounds}; "
+                           "is score.mc_rollouts > 0?")
+    demos = demo_prm_examples(selected(spec, 0), domain.split_steps, examples) if tr.demos else []
+    examples += demos
+    labelled_round |= {e["trajectory_id"]: 0 for e in demos}
+    n_steps = sum(v is not None for e in examples for v in e["labels"])  # None: a step without a label
+    n_good = sum(v is True for e in examples for v in e["labels"])
+    demo_note = f", {len(demos)} of them round-0 demonstrations" if demos else ""
+    log("train_reward", f"PRM on {len(examples)} trajectories ({n_steps} labelled steps, {n_good / n_steps:.0%} good) "
+                        f"from rounds {inp.label_rounds}{demo_note}; {tr.head} head, "
+                        f"init {'previous PRM' if inp.init_prm_uri else 'policy backbone'}")
+    model_dir = out.artifact_dir("prm")
+    prm_metrics = train_prm(inp.policy_uri, examples, str(model_dir),
+                            PRMParams(max_steps=tr.steps, batch_size=tr.batch_size, learning_rate=tr.learning_rate,
+                                      seed=spec.seed, head=tr.head, lm_weight=tr.lm_weight,
+                                      separator=domain.step_separator), init_from_prm=inp.init_prm_uri)
+    log("train_reward", f"PRM loss {prm_metrics['first_loss']:.4f} -> {prm_metrics['final_loss']:.4f} "
+                        f"in {prm_metrics['runtime_s']:.1f}s")
+    models = [model_row(spec, "prm", model_dir, "prm", inp.parent_model_id, len(examples))]
+    inputs = [model_input(spec, "prm", e["trajectory_id"], labelled_round[e["trajectory_id"]]) for e in examples]
+    metrics: dict[str, Any] = {f"prm_{k}": v for k, v in prm_metrics.items() if isinstance(v, (int, float))}
+    metrics |= {"label_good_fraction": n_good / n_steps, "demo_examples": len(demos), "consensus_dropped":
+                sum(1 for d in decisions if d["reason"].startswith("consensus"))}
+    if tr.orm:
+        from components.rewards.orm import ORMParams, train_orm
+
+        orm_dir = out.artifact_dir("orm")
+        orm_metrics = train_orm(inp.policy_uri, outcome_examples, str(orm_dir),
+                                ORMParams(max_steps=tr.orm_steps, seed=spec.seed))
+        log("train_reward", f"ORM on {orm_metrics['pairs']} pairs: loss {orm_metrics['final_loss']:.4f}")
+        models.append(model_row(spec, "orm", orm_dir, "orm", None, len(outcome_examples)))
+        inputs += [model_input(spec, "orm", e["trajectory_id"], e["round"]) for e in outcome_examples]
+        metrics |= {f"orm_{k}": v for k, v in orm_metrics.items() if isinstance(v, (int, float))}
+    write(out, models=models, model_inputs=inputs, selections=decisions)
+    return {k: float(v) for k, v in metrics.items()}
+
+
+STAGE = Stage(name="train_reward", section="train_reward", gpu=True, reads=("generate", "verify", "score", "bootstrap"),
+              writes=("models", "model_inputs", "selections"), inputs=Inputs, plan=plan, run=run)

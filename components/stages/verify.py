@@ -1,0 +1,42 @@
+"""`verify`: the domain's outcome verifier (or `verify.verifier`) on every trajectory of the round."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from components.jobs.spec import StageSpec
+from components.manifest import StageOutputWriter
+from components.stages.base import Planner, Stage, domain_of, log, write
+
+
+@dataclass
+class Inputs:
+    pass  # everything it reads is this round's committed `generate` output
+
+
+def plan(p: Planner) -> Inputs:
+    p.read("generate")
+    return Inputs()
+
+
+def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.verification import resolve_verifier, verify
+
+    cfg, domain = spec.cfg(), domain_of(spec)
+    trajs = spec.rows("generate", "trajectories")
+    answers = {p["problem_id"]: p["answer"] for p in spec.rows("generate", "problems")}
+    name, fn = resolve_verifier(domain, cfg.verify.verifier)
+    rows = verify(trajs, answers, fn, name=name, version=spec.code_version or "dev")
+    write(out, verifications=rows)
+    n_ok = sum(1 for r in rows if r["correct"])
+    metrics: dict[str, float] = {"verified": len(rows), "pass_rate": n_ok / max(len(rows), 1)}
+    level_of = {t["trajectory_id"]: t["level"] for t in trajs}
+    for level in sorted(set(level_of.values())):
+        sub = [r for r in rows if level_of[r["trajectory_id"]] == level]
+        metrics[f"pass_rate_L{level}"] = sum(1 for r in sub if r["correct"]) / len(sub)
+    log("verify", f"{n_ok}/{len(rows)} correct")
+    return metrics
+
+
+STAGE = Stage(name="verify", section="verify", gpu=False, reads=("generate",), writes=("verifications",),
+              inputs=Inputs, plan=plan, run=run)
