@@ -16,6 +16,9 @@ from typing import Any
 from components.config import ExperimentConfig
 
 TAG_EXPERIMENT = "coevo.experiment"
+# MLflow's UI opens an experiment without a kind in its GenAI (traces) view, which is empty for coevo;
+# a model-training experiment opens on its runs and their charts.
+TAG_KIND, KIND_TRAINING = "mlflow.experimentKind", "custom_model_development"
 TAG_ROUND = "coevo.round"
 
 
@@ -59,9 +62,12 @@ class Tracker:
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
             artifacts = (Path(cfg.workdir).resolve() / "mlartifacts").as_uri()
-            self.mlflow_experiment_id = self.client.create_experiment(name, artifact_location=artifacts)
+            self.mlflow_experiment_id = self.client.create_experiment(name, artifact_location=artifacts,
+                                                                      tags={TAG_KIND: KIND_TRAINING})
         else:
             self.mlflow_experiment_id = exp.experiment_id
+            if exp.tags.get(TAG_KIND) != KIND_TRAINING:  # an experiment made by an older coevo, or by hand
+                self.client.set_experiment_tag(exp.experiment_id, TAG_KIND, KIND_TRAINING)
 
     def _find_run(self, filter_string: str) -> str | None:
         runs = self.client.search_runs([self.mlflow_experiment_id], filter_string=filter_string, max_results=1,
