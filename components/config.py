@@ -70,7 +70,9 @@ class SearchConfig(_Section):
 
 
 class GenerateConfig(_Section):
-    backend: Literal["hf", "vllm", "openai"] = "hf"
+    backend: str = Field("hf", description="'hf' (transformers generate), 'vllm' (the offline engine in the job), "
+                                           "'openai' (an OpenAI-compatible server), or a dotted path "
+                                           "'pkg.module:Class' to a components.models.backends.GenerationBackend.")
     backend_options: dict[str, Any] = Field(default_factory=dict, description="Extra options for the backend.")
     problems_per_level: int = Field(200, ge=1, description="Problems sampled per curriculum level per round.")
     samples_per_problem: int = Field(4, ge=1)
@@ -87,6 +89,13 @@ class GenerateConfig(_Section):
                                 "this many verified right answers so far, until samples_per_problem are drawn. A "
                                 "problem the policy solves at once costs one draw; the hard ones get the rest.")
     wave_size: int = Field(1, ge=1, description="Samples per problem per wave when until_correct is set.")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if v not in ("hf", "vllm", "openai") and ":" not in v:
+            raise ValueError(f"unknown backend {v!r}: use hf, vllm, openai or a dotted path 'pkg.module:Class'")
+        return v
 
     @model_validator(mode="after")
     def _waves(self) -> GenerateConfig:

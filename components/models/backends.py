@@ -1,6 +1,6 @@
 """Generation backends behind one interface: `hf` (transformers generate), `vllm` (offline LLM), `openai`.
 
-    backend = get_backend("hf", "workdir/arith-default/r0/train_policy/a1/model")
+    backend = get_backend("hf", "workdir/arith-default/r0/bootstrap/a1/model")
     samples = backend.generate(["3+4\\n"], n=4, temperature=0.8, top_p=1.0, max_new_tokens=32, seed=0)
 
 Each returns, per prompt, `n` Samples: the completion text (special tokens stripped, cut at EOS or at
@@ -196,7 +196,13 @@ BACKENDS = {"hf": HFBackend, "vllm": VLLMBackend, "openai": OpenAIBackend}
 
 
 def get_backend(kind: str, model: str, **options: Any) -> GenerationBackend:
-    """`kind` is "hf", "vllm" or "openai"; `options` are that backend's constructor arguments."""
-    if kind not in BACKENDS:
-        raise ValueError(f"unknown generation backend {kind!r}: expected one of {sorted(BACKENDS)}")
-    return BACKENDS[kind](model, **options)
+    """`kind` is "hf", "vllm", "openai" or a dotted path 'pkg.module:Class' to a `GenerationBackend`;
+    `options` are that backend's constructor arguments."""
+    if kind in BACKENDS:
+        return BACKENDS[kind](model, **options)
+    if ":" in kind:
+        from components.instantiate import locate
+
+        return locate(kind)(model, **options)
+    raise ValueError(f"unknown generation backend {kind!r}: expected one of {sorted(BACKENDS)}, or a dotted path "
+                     "'pkg.module:Class'")

@@ -1,6 +1,6 @@
 """Implicit process rewards: the policy/reference log-ratio, summed per step. No reward model to train.
 
-    rewards = implicit_step_rewards("workdir/.../r2/train_policy/a1/model", "workdir/.../r0/train_policy/a1/model",
+    rewards = implicit_step_rewards("workdir/.../r2/train_policy/a1/model", "workdir/.../r0/bootstrap/a1/model",
                                     ["3+4-2\\n"], [["3+4=7", "7-2=5", "#### 5"]])   # [[r1, r2, r3]]
 
 "Free Process Rewards without Process Labels" (Yuan et al. 2024, https://arxiv.org/abs/2412.01981)

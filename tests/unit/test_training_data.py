@@ -1,0 +1,38 @@
+"""What the training stages train on: round 0's demonstrations, replay mixing, the carry-over rule."""
+
+from __future__ import annotations
+
+from components.config import BootstrapConfig
+from components.domains.arith import ArithDomain
+from components.training.data import demonstrations, replay_mix, sft_steps
+
+
+def test_demonstrations_are_gold_solutions_with_seed_demos_of_the_hard_level():
+    domain, b = ArithDomain(max_level=3), BootstrapConfig(levels=[1, 2], problems_per_level=50, seed_levels=[3],
+                                                        seed_fraction=0.2)
+    problems, trajs, sels = demonstrations(domain, b, seed=7, experiment="e")
+    levels = [t["level"] for t in trajs]
+    assert levels.count(1) == levels.count(2) == 50 and levels.count(3) == 25  # 20% of all: 100 * 0.2 / 0.8
+    assert len(problems) == len(trajs) == len(sels) == len({t["trajectory_id"] for t in trajs})
+    for t in trajs:
+        assert t["round"] == 0 and t["purpose"] == "demo"
+        assert domain.verify([t["completion"]], [t["answer"]]) == [1.0]
+    assert all(s["selected"] and s["purpose"] == "policy_sft" for s in sels)
+    assert demonstrations(domain, b, seed=7, experiment="e") == (problems, trajs, sels)
+    assert demonstrations(domain, b, seed=8, experiment="e")[1] != trajs
+
+
+def test_replay_mix_keeps_every_new_example_and_samples_the_rest():
+    new = {f"n{i}": {"round": 3} for i in range(4)}
+    pool = {f"p{i}": {"round": i % 3} for i in range(10)}
+    mixed = replay_mix(new, pool, 0.5, seed=1)
+    assert [t for t, _, use in mixed if use == "new"] == sorted(new)
+    replayed = [t for t, _, use in mixed if use == "replay"]
+    assert len(replayed) == 2 and set(replayed) <= set(pool)
+    assert replay_mix(new, pool, 0.5, seed=1) == mixed and replay_mix(new, pool, 0.5, seed=2) != mixed
+    assert len(replay_mix(new, pool, 10.0, seed=1)) == 4 + 10  # no more than the pool holds
+
+
+def test_a_round_that_kept_nothing_trains_no_step():
+    assert sft_steps(300, None, 0, 64) == 0 and sft_steps(300, 3.0, 0, 64) == 0
+    assert sft_steps(300, 3.0, 1000, 64) == 47 and sft_steps(30, 3.0, 1000, 64) == 30
