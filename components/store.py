@@ -56,6 +56,9 @@ def create_table_sql(table: Table) -> str:
 
 
 SCHEMA = "\n".join(create_table_sql(t) for t in TABLES.values())
+# Stores written before round 0's bootstrap was a stage of its own recorded it as round 0's `train_policy`:
+# the same job, seed and rows, so the attempt is renamed, and resume and rerun find it where they look.
+MIGRATIONS = "UPDATE stage_runs SET stage = 'bootstrap' WHERE round = 0 AND stage = 'train_policy';"
 
 VIEWS = """
 CREATE OR REPLACE VIEW v_round_summary AS
@@ -213,6 +216,7 @@ class Store:
         con = _connect(self.path, read_only=False, timeout_s=self.lock_timeout_s)
         try:
             con.execute(SCHEMA)
+            con.execute(MIGRATIONS)
             con.execute(VIEWS)
             yield con
         finally:

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from components.instantiate import locate
-
-if TYPE_CHECKING:
-    from components.config import ExperimentConfig
 
 RECIPES: dict[str, str] = {
     "rft": "components.recipes.rft:RECIPE",
@@ -27,7 +24,7 @@ RECIPES: dict[str, str] = {
 }
 
 
-def _accept(cfg: ExperimentConfig) -> None:  # noqa: ARG001
+def _accept(cfg: Any) -> None:  # noqa: ARG001
     return None
 
 
@@ -37,8 +34,9 @@ class Recipe:
     stages: tuple[str, ...]  # one round's stages (rounds 1+), in order
     description: str = ""
     bootstrap: tuple[str, ...] = ("bootstrap", "evaluate")  # round 0
-    # Raises ValueError, saying what to set, for a config that contradicts the recipe.
-    check: Callable[[ExperimentConfig], None] = _accept
+    # Given the ExperimentConfig as it loads (the config calls it: no import back), raises ValueError
+    # saying what to set where the config contradicts the recipe.
+    check: Callable[[Any], None] = _accept
 
     def round_stages(self, round: int) -> list[str]:
         return list(self.bootstrap if round == 0 else self.stages)

@@ -168,3 +168,13 @@ def test_prm_calibration_view_pairs_step_scores_with_labels(tmp_path):
                           "ORDER BY step_index")
     assert rows == [(0, 0.93, 9, 0.75, None, 1.0), (1, 0.12, 1, 0.25, 1.0, None), (2, 1.0, 9, None, None, None)]
 
+
+
+def test_a_store_from_before_the_bootstrap_stage_names_round_0s_training_bootstrap(tmp_path):
+    store = Store(tmp_path / "coevo.duckdb")
+    store.start_stage_run(StageRunRef("old", 0, "train_policy", 1), "r0/train_policy/a1", "{}", "h", 0)
+    store.start_stage_run(StageRunRef("old", 1, "train_policy", 1), "r1/train_policy/a1", "{}", "h", 0)
+    store.init()  # any write connection applies the migration
+    got = {(r["round"], r["stage"], r["stage_run_id"]) for r in store.stage_runs("old")}
+    assert got == {(0, "bootstrap", "old/r0/train_policy/a1"), (1, "train_policy", "old/r1/train_policy/a1")}
+    assert store.next_attempt("old", 0, "bootstrap") == 2
