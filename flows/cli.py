@@ -5,6 +5,7 @@
     coevo query "SELECT round, count(*) FROM trajectories GROUP BY 1"
     coevo rerun arith-default --round 2 --stage score [--downstream]
     coevo resume arith-default
+    coevo build-model workdir/standin --domain arith [--arch qwen2|llama] [--size small|tiny]
 """
 
 from __future__ import annotations
@@ -139,6 +140,35 @@ def config_schema() -> None:
     from components.config import ExperimentConfig
 
     print(json.dumps(ExperimentConfig.model_json_schema(), indent=2))
+
+
+@app.command("build-model")
+def build_model(
+    out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for the model and tokenizer.")],
+    domain: Annotated[str, typer.Option(help="Domain whose prompts and solutions train the tokenizer.")] = "arith",
+    arch: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
+    size: Annotated[str, typer.Option(help="small (~3M parameters) or tiny (~0.1M, for tests).")] = "small",
+    seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
+    per_level: Annotated[int, typer.Option(min=1, help="Problems per level in the tokenizer's text.")] = 500,
+) -> None:
+    """Build a stand-in for a hub model: a BPE tokenizer trained on the domain's text and a random Qwen2/Llama."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        fail(f"{out_dir} exists and is not an empty folder: give a new path", 2)
+    from dataclasses import replace
+
+    from components.domains import get_domain
+    from components.models.standin import SIZES, build_standin, domain_texts, param_count
+
+    if size not in SIZES:
+        fail(f"unknown --size {size!r}: choose one of {', '.join(SIZES)}", 2)
+    try:
+        cfg = replace(SIZES[size], arch=arch)
+        dom = get_domain(domain)
+    except ValueError as e:
+        fail(str(e), 2)
+    out = build_standin(out_dir, domain_texts(dom, n_per_level=per_level, seed=seed), cfg, seed=seed)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]  # len(tokenizer), specials included
+    console.print(f"{cfg.arch} stand-in in {out}: {param_count(out):,} parameters, vocabulary {vocab}")
 
 
 @app.command()
