@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--workdir", required=True, type=Path)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
-    env = dict(os.environ, PREFECT_HOME=str(args.workdir / ".prefect"), COEVO_TORCH_THREADS="1", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PREFECT_HOME=str(args.workdir / ".prefect"), COEVO_TORCH_THREADS="1", HF_HUB_OFFLINE="1",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180")  # a busy machine starts it slowly
     args.workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", args.config, "--set", f"workdir={args.workdir}"]
     for o in args.overrides:
