@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from components.jobs.spec import StageSpec
-from components.manifest import StageOutputWriter, sha256_dir
-from components.stages.base import Planner, Stage, domain_of, log, model_id, train_progress, write
+from components.manifest import StageOutputWriter
+from components.stages.base import Planner, Stage, domain_of, log, model_id, model_row, train_progress, write
 
 
 @dataclass
@@ -43,11 +42,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                                   seed=spec.seed), progress_callback=train_progress("bootstrap"))
     inputs = [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": 0, "use": "new"}
               for t in trajs]
-    models = [{"model_id": model_id(spec), "experiment_id": spec.experiment, "role": "policy", "round": spec.round,
-               "uri": str(Path(spec.out_dir) / "model"), "sha256": sha256_dir(model_dir), "parent_model_id": None,
-               "train_examples": len(inputs), "mlflow_run_id": None, "registered_name": None,
-               "registered_version": None}]
-    write(out, models=models, problems=problems, trajectories=trajs, selections=sels, model_inputs=inputs)
+    write(out, models=[model_row(spec, "policy", model_dir, "model", None, len(inputs))], problems=problems,
+          trajectories=trajs, selections=sels, model_inputs=inputs)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
                                                                                       "dpo_pairs": 0}
 

@@ -4,13 +4,12 @@ and/or DPO on the filter's pairs; a round that kept nothing carries its policy o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from components.jobs.spec import StageSpec
-from components.manifest import StageOutputWriter, sha256_dir
-from components.stages.base import (Planner, Stage, copy_model, log, model_id, selected, train_progress,
-                                    write)
+from components.manifest import StageOutputWriter
+from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, selected,
+                                    train_progress, write)
 
 
 @dataclass
@@ -90,12 +89,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         elif tp.method == "dpo":
             log("train_policy", "WARNING: no DPO pair this round; the policy carries over unchanged")
             copy_model(inp.init_uri, model_dir)
-    models = [{
-        "model_id": model_id(spec), "experiment_id": spec.experiment, "role": "policy", "round": spec.round,
-        "uri": str(Path(spec.out_dir) / "model"), "sha256": sha256_dir(model_dir), "parent_model_id": inp.parent_model_id,
-        "train_examples": len(model_inputs), "mlflow_run_id": None, "registered_name": None, "registered_version": None,
-    }]
-    write(out, models=models, model_inputs=model_inputs)
+    write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, len(model_inputs))],
+          model_inputs=model_inputs)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
                                                                                       "dpo_pairs": len(pairs)}
 
