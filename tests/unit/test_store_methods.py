@@ -1,7 +1,6 @@
 """The store's named reads and its single schema declaration, on real DuckDB files written by real commits."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import duckdb
 import pytest
@@ -187,32 +186,20 @@ def test_export_reads_known_experiments_from_the_store(store):
         read_tables(store, "x")
 
 
-class _FakeMlflow:
-    """The two MlflowClient calls compare makes, over runs tagged like the tracker tags them."""
+def test_mlflow_experiments_lists_experiments_with_a_parent_run(tmp_path):
+    """On MLflow's real SQLite store, runs tagged as the tracker tags them."""
+    from mlflow.tracking import MlflowClient
 
-    def __init__(self, runs):
-        self.runs = runs
-
-    def search_experiments(self):
-        return [SimpleNamespace(experiment_id="1")] if self.runs else []
-
-    def search_runs(self, ids, filter_string, max_results):
-        key, value = filter_string.split(" = ")
-        tag = key.removeprefix("tags.`").removesuffix("`")
-        return [r for r in self.runs if r.data.tags.get(tag) == value.strip("'")]
-
-
-def _run(experiment: str, round: str, metrics: dict):
     from components.tracking import TAG_EXPERIMENT, TAG_ROUND
 
-    return SimpleNamespace(data=SimpleNamespace(tags={TAG_EXPERIMENT: experiment, TAG_ROUND: round}, metrics=metrics),
-                           info=SimpleNamespace(run_id=f"{experiment}-{round}"))
-
-
-def test_mlflow_experiments_lists_experiments_with_a_parent_run():
-    client = _FakeMlflow([_run("b", "all", {}), _run("a", "all", {}), _run("a", "1", {"evaluate/greedy_acc": 0.5})])
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert mlflow_experiments(client) == []
+    for experiment, round, metrics in (("b", "all", {}), ("a", "all", {}), ("a", "1", {"evaluate/greedy_acc": 0.5})):
+        exp = client.get_experiment_by_name(experiment) or client.get_experiment(client.create_experiment(experiment))
+        run = client.create_run(exp.experiment_id, tags={TAG_EXPERIMENT: experiment, TAG_ROUND: round})
+        for k, v in metrics.items():
+            client.log_metric(run.info.run_id, k, v)
     assert mlflow_experiments(client) == ["a", "b"]
-    assert mlflow_experiments(_FakeMlflow([])) == []
     with pytest.raises(CompareError, match="unknown experiment 'z' in MLflow; known: a, b"):
         experiment_rounds(client, "z", "evaluate/greedy_acc")
     assert experiment_rounds(client, "a", "evaluate/greedy_acc").values == {"all": {1: 0.5}}
