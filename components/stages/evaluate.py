@@ -28,6 +28,9 @@ class Inputs:
 
 def plan(p: Planner) -> Inputs:
     cfg = p.cfg
+    # The stage that trained the policy: its committed manifest is checked now, so an output edited
+    # after its commit is refused before an attempt is recorded.
+    p.read("bootstrap" if p.round == 0 else "train_policy")
     policy = p.model(p.round)
     inputs = Inputs(policy_uri=policy["uri"], policy_model_id=policy["model_id"])
     for role in ("prm", "orm"):
