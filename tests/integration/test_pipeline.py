@@ -9,7 +9,7 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO, assert_plans_read_what_they_declare
+from tests.conftest import assert_plans_read_what_they_declare
 
 pytestmark = pytest.mark.slow
 
