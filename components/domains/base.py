@@ -35,6 +35,12 @@ class Problem:
         return cls(problem_id(domain, prompt, answer), domain, level, prompt, answer, dict(meta or {}))
 
 
+def unique_problems(problems: list[Problem]) -> list[Problem]:
+    """Drop repeats (a small level can have fewer distinct problems than asked for), keeping order."""
+    seen: set[str] = set()
+    return [p for p in problems if not (p.problem_id in seen or seen.add(p.problem_id))]
+
+
 @runtime_checkable
 class Domain(Protocol):
     name: str

@@ -111,12 +111,6 @@ def write(out: StageOutputWriter, **tables: list[dict[str, Any]]) -> None:
         out.write_table(name, to_table(name, rows))
 
 
-def unique(problems: list) -> list:
-    """Drop repeats (a small level can have fewer distinct problems than asked for), keeping order."""
-    seen: set[str] = set()
-    return [p for p in problems if not (p.problem_id in seen or seen.add(p.problem_id))]
-
-
 def steps_by_trajectory(steps: list[dict[str, Any]]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for r in sorted(steps, key=lambda r: (r["trajectory_id"], r["step_index"])):

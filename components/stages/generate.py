@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.seeding import derive_seed
-from components.stages.base import Planner, PlanningError, Stage, backend_of, domain_of, log, unique, write
+from components.domains.base import unique_problems
+from components.stages.base import Planner, PlanningError, Stage, backend_of, domain_of, log, write
 
 
 @dataclass
@@ -44,7 +45,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     problems = []
     for level in inp.levels:
         problems += domain.sample_problems(level, g.problems_per_level, seed=inp.problem_seeds[str(level)])
-    problems = unique(problems)
+    problems = unique_problems(problems)
     per = (f"up to {g.samples_per_problem} samples each, {g.wave_size} per wave until {g.until_correct} right"
            if g.until_correct else f"{g.samples_per_problem} samples each")
     log("generate", f"{len(problems)} problems at levels {inp.levels}, {per}")

@@ -8,14 +8,9 @@ import random
 from typing import Any
 
 from components.config import BootstrapConfig
-from components.domains.base import Domain, Problem
+from components.domains.base import Domain, unique_problems
 from components.generation import problem_row, trajectory_id
 from components.seeding import derive_seed
-
-
-def _unique(problems: list[Problem]) -> list[Problem]:
-    seen: set[str] = set()
-    return [p for p in problems if not (p.problem_id in seen or seen.add(p.problem_id))]
 
 
 def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
@@ -30,8 +25,9 @@ def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
     per_seed_level = n_seed_total // max(len(b.seed_levels), 1)
     for level in b.seed_levels:
         problems += domain.sample_problems(level, per_seed_level, seed=derive_seed(seed, 0, "seed_demo", level))
+    problems = unique_problems(problems)
     trajs, sels = [], []
-    for p in _unique(problems):
+    for p in problems:
         tid = trajectory_id(experiment, 0, "demo", p.problem_id, 0)
         trajs.append({
             "trajectory_id": tid, "experiment_id": experiment, "round": 0, "purpose": "demo",
@@ -41,7 +37,7 @@ def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
         })
         sels.append({"trajectory_id": tid, "experiment_id": experiment, "round": 0, "purpose": "policy_sft",
                      "selected": True, "rank": 0, "reason": "gold demonstration", "pair_id": None})
-    return [problem_row(p, "train") for p in _unique(problems)], trajs, sels
+    return [problem_row(p, "train") for p in problems], trajs, sels
 
 
 def replay_mix(new: dict[str, dict[str, Any]], pool: dict[str, dict[str, Any]], ratio: float,
