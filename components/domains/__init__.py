@@ -15,6 +15,7 @@ from components.instantiate import locate
 DOMAINS: dict[str, str] = {
     "arith": "components.domains.arith:ArithDomain",
     "gsm8k": "components.domains.gsm8k:Gsm8kDomain",
+    "jsonl": "components.domains.jsonl:JsonlDomain",
 }
 
 
