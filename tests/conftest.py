@@ -26,6 +26,29 @@ for _k, _v in TELEMETRY_OFF.items():
 os.environ.setdefault("COEVO_TORCH_THREADS", "1")
 
 
+# -- two workers (`make test` runs pytest-xdist with --dist loadgroup) --------------------------------
+
+# A session fixture runs once per worker: the tests that read one shared run go to one worker, and every
+# other slow module (its module-scoped run) stays whole on one worker too.
+SHARED_RUNS = {"fault_runs": "fault", "micro_workdir": "micro"}
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    rank = {}
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        group = next((g for fixture, g in SHARED_RUNS.items() if fixture in names), None)
+        if group is None and item.get_closest_marker("slow") is not None:
+            group = item.module.__name__
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        rank[item.nodeid] = list(SHARED_RUNS.values()).index(group) if group in SHARED_RUNS.values() else (
+            len(SHARED_RUNS) if group else len(SHARED_RUNS) + 1)
+    # The longest groups first, so that each worker starts one and the short tests fill in behind them;
+    # a stable sort keeps each group's own order (the fault tests read their runs in file order).
+    items.sort(key=lambda item: rank[item.nodeid])
+
+
 # -- the `coevo` CLI in a subprocess, as a user runs it ---------------------------------------------
 
 def coevo_cmd(*args: str) -> list[str]:
@@ -82,6 +105,16 @@ class MicroWorkdir:
 
     def overrides(self, experiment: str = "micro") -> list[str]:
         return [f"workdir={self.path}", *MICRO_B] if experiment == "micro-b" else [f"workdir={self.path}"]
+
+    def start_from_round0(self) -> list[str]:
+        """Overrides that start another micro-scale experiment from `micro`'s round-0 policy as it is
+        (`bootstrap.steps=0`). Its bootstrap is deterministic and every micro config shares it, so this is
+        the model the experiment would have trained itself (and its demos, stored for replay, are the same):
+        it saves each such run the bootstrap's ~100 s."""
+        from components.store import Store
+
+        model = Store(self.path / "coevo.duckdb").committed_model("micro", 0, "policy")
+        return [f"policy.model={model['uri']}", "bootstrap.steps=0"]
 
 
 # The second experiment, so `coevo compare` has two to put side by side: another seed, shorter training.
