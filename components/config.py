@@ -26,7 +26,7 @@ class _Section(BaseModel):
 
 
 class DomainConfig(_Section):
-    name: str = Field("arith", description="Domain: 'arith', 'gsm8k', or a dotted path 'pkg.module:Class'.")
+    name: str = Field("arith", description="Domain: 'arith', 'gsm8k', 'jsonl' (your own file), or a dotted path 'pkg.module:Class'.")
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the domain's constructor.")
 
 
@@ -48,14 +48,17 @@ class PolicyConfig(_Section):
 class BootstrapConfig(_Section):
     """Round 0: supervised training on gold demonstrations before self-improvement starts."""
 
-    levels: list[int] = Field(default_factory=lambda: [1, 2], description="Levels with full demonstrations.")
+    levels: list[int] | None = Field(
+        None, description="Levels with full demonstrations; null: every level of the domain; []: no demonstrations.")
     problems_per_level: int = Field(2000, ge=1)
     seed_levels: list[int] = Field(
-        default_factory=lambda: [3, 4, 5, 6],
+        default_factory=list,
         description="Harder levels given a few seed demonstrations: length extrapolation does not come free.",
     )
     seed_fraction: float = Field(0.03, ge=0.0, le=1.0, description="Seed demos as a fraction of all demos.")
-    steps: int = Field(600, ge=0)
+    steps: int = Field(600, ge=0, description="SFT steps on the demonstrations. 0: round 0's policy is `policy.model` "
+                                              "as it is (not retrained, not re-saved); the demonstrations are still "
+                                              "stored, for replay.")
     batch_size: int = Field(64, ge=1)
     learning_rate: float = Field(2e-3, gt=0)
 
@@ -291,6 +294,24 @@ class TrackingConfig(_Section):
     )
 
 
+class ImportConfig(_Section):
+    """Existing trajectories to load into the store (`coevo import`, recipe `import`): a JSONL or Parquet file,
+    one trajectory a row, or one per (row, model key) in the wide layout (`models`)."""
+
+    path: str = Field(..., description="The file: .jsonl, .json or .parquet.")
+    prompt_field: str = Field("question", description="The problem text, matched against the domain's problems.")
+    completion_field: str = Field("completion", description="The solution text (simple layout).")
+    correct_field: str | None = Field(None, description="A given correctness label, bool or 0/1 (simple layout).")
+    step_labels_field: str | None = Field(None, description="Given step labels, one per domain step (simple layout).")
+    model_field: str | None = Field(None, description="The model that wrote the row (simple layout).")
+    models: list[str] | None = Field(None, description="Wide layout: keys of sub-objects, one trajectory each.")
+    nested_completion: str = Field("solution", description="Wide layout: the solution's key in each sub-object.")
+    nested_correct: str | None = Field("is_correct", description="Wide layout: the label's key in each sub-object.")
+    nested_step_labels: str | None = None
+    purpose: Literal["train", "eval"] = Field(
+        "train", description="'eval' for trajectories on held-out problems; an import with test problems must say so.")
+
+
 class ExperimentConfig(_Section):
     experiment: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name; names the workdir folder.")
     seed: int = 0
@@ -314,6 +335,7 @@ class ExperimentConfig(_Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    imports: list[ImportConfig] = Field(default_factory=list, description="Trajectories `coevo import` loads.")
 
     @field_validator("workdir")
     @classmethod
@@ -332,6 +354,9 @@ class ExperimentConfig(_Section):
             raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
         if self.train_reward.enabled and self.score.mc_rollouts < 1:
             raise ValueError("train_reward.enabled needs step labels to train on: set score.mc_rollouts >= 1")
+        if self.bootstrap.steps == 0 and self.policy.model is None:
+            raise ValueError("bootstrap.steps=0 starts from a given model as it is: set policy.model to an HF name "
+                             "or a local path, or bootstrap.steps > 0 to train a tiny model from scratch")
         from components.recipes import get_recipe
 
         get_recipe(self.recipe).check(self)

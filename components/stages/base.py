@@ -139,12 +139,23 @@ def model_id(spec: StageSpec, role: str = "policy") -> str:
     return f"{spec.experiment}/{role}/r{spec.round}"
 
 
-def model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str, parent: str | None,
-              train_examples: int) -> dict[str, Any]:
+def model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str | None, parent: str | None,
+              train_examples: int, uri: str | None = None) -> dict[str, Any]:
+    """A `models` row for the checkpoint in `model_dir`: at the attempt's `artifact` folder, or at `uri`."""
     return {"model_id": model_id(spec, role), "experiment_id": spec.experiment, "role": role, "round": spec.round,
-            "uri": str(Path(spec.out_dir) / artifact), "sha256": sha256_dir(model_dir), "parent_model_id": parent,
-            "train_examples": train_examples, "mlflow_run_id": None, "registered_name": None,
-            "registered_version": None}
+            "uri": uri or str(Path(spec.out_dir) / str(artifact)), "sha256": sha256_dir(model_dir),
+            "parent_model_id": parent, "train_examples": train_examples, "mlflow_run_id": None,
+            "registered_name": None, "registered_version": None}
+
+
+def given_model_row(spec: StageSpec, name_or_path: str) -> dict[str, Any]:
+    """Round 0's `models` row for `policy.model` taken as it is: a local folder by its absolute path, a hub
+    name as given; the sha256 is of the files either way (a hub name's cached snapshot)."""
+    from components.models.checkpoint import resolve_checkpoint
+
+    path = resolve_checkpoint(name_or_path)
+    uri = str(path.resolve()) if Path(name_or_path).expanduser().is_dir() else name_or_path
+    return model_row(spec, "policy", path, None, None, 0, uri=uri)
 
 
 def model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: int, use: str | None = None) -> dict[str, Any]:

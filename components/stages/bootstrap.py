@@ -1,5 +1,5 @@
 """`bootstrap` (round 0): the gold demonstrations, and the first policy trained on them by SFT, from
-`policy.model` or from a from-scratch tiny Llama."""
+`policy.model` or from a from-scratch tiny Llama; with `bootstrap.steps: 0`, `policy.model` as it is."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import Planner, Stage, domain_of, log, model_id, model_row, train_progress, write
+from components.stages.base import (Planner, Stage, domain_of, given_model_row, log, model_id, model_row,
+                                    train_progress, write)
 
 
 @dataclass
@@ -27,6 +28,15 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
     b = cfg.bootstrap
     problems, trajs, sels = demonstrations(domain_of(spec), b, spec.seed, spec.experiment)
+    inputs = [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": 0, "use": "new"}
+              for t in trajs]
+    if b.steps == 0:
+        # A pretrained start: round 0's policy is the given model, registered where it is (not re-saved, so
+        # its dtype and files are the user's); the demonstrations are stored for replay, not trained on.
+        row = given_model_row(spec, inp.init_uri)
+        log("bootstrap", f"round 0's policy is {row['uri']} as it is; {len(trajs)} demonstrations stored for replay")
+        write(out, models=[row], problems=problems, trajectories=trajs, selections=sels, model_inputs=[])
+        return {"examples": 0.0, "dpo_pairs": 0.0}
     if not trajs:
         raise RuntimeError(f"{spec.stage_run_id}: the bootstrap has no demonstrations; nothing to train on")
     init_uri = inp.init_uri
@@ -40,8 +50,6 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     metrics = train_sft(init_uri, examples, str(model_dir),
                         SFTParams(max_steps=b.steps, batch_size=b.batch_size, learning_rate=b.learning_rate,
                                   seed=spec.seed), progress_callback=train_progress("bootstrap"))
-    inputs = [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": 0, "use": "new"}
-              for t in trajs]
     write(out, models=[model_row(spec, "policy", model_dir, "model", None, len(inputs))], problems=problems,
           trajectories=trajs, selections=sels, model_inputs=inputs)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),

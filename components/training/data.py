@@ -16,10 +16,10 @@ from components.seeding import derive_seed
 def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
                    experiment: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Round 0's gold demonstrations as `problems`, `trajectories` (purpose 'demo') and `selections` rows:
-    `problems_per_level` at each of `b.levels`, plus seed demos of `b.seed_levels` making up
+    `problems_per_level` at each of `b.levels` (None: every level of the domain), plus seed demos of `b.seed_levels` making up
     `b.seed_fraction` of the whole; deterministic given `seed`."""
     problems = []
-    for level in b.levels:
+    for level in domain.levels() if b.levels is None else b.levels:
         problems += domain.sample_problems(level, b.problems_per_level, seed=derive_seed(seed, 0, "demo", level))
     n_seed_total = round(len(problems) * b.seed_fraction / max(1.0 - b.seed_fraction, 1e-9))
     per_seed_level = n_seed_total // max(len(b.seed_levels), 1)

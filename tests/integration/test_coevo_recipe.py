@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def coevo_run(prefect_server, tmp_path_factory):
+def coevo_run(prefect_server, micro_workdir, tmp_path_factory):
     from flows.evolution import self_evolution
 
     workdir = tmp_path_factory.mktemp("coevo")
     config = REPO / "configs" / "micro-coevo.yaml"
-    overrides = [f"workdir={workdir}"]
+    overrides = [f"workdir={workdir}", *micro_workdir.start_from_round0()]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store(cfg.store_path)
@@ -234,3 +234,17 @@ def test_prm_versions_are_registered_with_round_and_lineage(coevo_run):
     assert client.get_model_version_by_alias("micro-coevo-prm", "current").version == versions[2].version
     policy = client.search_model_versions("name = 'micro-coevo-policy'")
     assert sorted(int(v.tags["coevo.round"]) for v in policy) == [0, 1, 2]
+
+
+def test_round_zero_is_the_given_model_as_it_is(coevo_run, micro_workdir):
+    """`policy.model` with `bootstrap.steps: 0`: round 0's policy is micro's checkpoint where it lies, not
+    retrained or re-saved, and not copied into MLflow; the demonstrations are still stored for replay."""
+    cfg, store = coevo_run
+    given = Store(micro_workdir.path / "coevo.duckdb").committed_model("micro", 0, "policy")
+    mine = store.committed_model(cfg.experiment, 0, "policy")
+    assert mine["uri"] == given["uri"] == cfg.policy.model and mine["sha256"] == given["sha256"]
+    out = cfg.experiment_dir / "r0" / "bootstrap" / "a1"
+    assert out.is_dir() and not (out / "model").exists() and not (out / "init_model").exists()
+    assert _one(store, "SELECT count(*) FROM model_inputs WHERE model_id=?", [mine["model_id"]]) == 0
+    assert _one(store, "SELECT count(*) FROM selections WHERE experiment_id=? AND round=0 AND selected",
+                [cfg.experiment]) > 0

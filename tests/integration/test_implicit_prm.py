@@ -15,11 +15,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def implicit_run(prefect_server, tmp_path_factory):
+def implicit_run(prefect_server, micro_workdir, tmp_path_factory):
     from flows.evolution import self_evolution
 
     config = REPO / "configs" / "micro.yaml"
     overrides = [f"workdir={tmp_path_factory.mktemp('implicit')}", "experiment=micro-implicit",
+                 *micro_workdir.start_from_round0(),
                  "score.reward_model=implicit", "evaluate.best_of_n=[4]"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
