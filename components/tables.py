@@ -215,6 +215,19 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         _STAGE_RUN,
     ),
     _table(
+        # Where an imported trajectory came from (`coevo import`): its file, row and model, the label it
+        # came with (re-verified, never trusted: `verifications` holds the domain's verdict), and the
+        # text as written where the domain's normalisation changed it.
+        "trajectory_sources", ("trajectory_id",),
+        col("trajectory_id", STR, null=False),
+        col("source_file", STR, null=False),
+        col("source_row", INT, null=False),  # 1-based: the line of a JSONL file, the row of a Parquet file
+        col("source_model", STR),
+        col("given_correct", BOOL),
+        col("original_completion", STR),  # NULL: stored as written
+        _STAGE_RUN,
+    ),
+    _table(
         "round_plans", ("experiment_id", "round"),
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),

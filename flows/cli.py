@@ -55,10 +55,57 @@ def run(
         cfg = load_config(config, overrides)
     except ConfigError as e:
         fail(str(e), 2)
-    if cfg.policy.model and _looks_local(cfg.policy.model) and not Path(cfg.policy.model).exists():
-        fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
+    if cfg.policy.model and _looks_local(cfg.policy.model):
+        from components.models.checkpoint import check_checkpoint
+
+        path = Path(cfg.policy.model).expanduser()
+        if not path.is_dir():
+            fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
+        try:
+            check_checkpoint(path, cfg.policy.model)
+        except FileNotFoundError as e:
+            fail(str(e), 2)
     _run_flow("self_evolution", progress_bars=True, config_path=str(config), overrides=overrides)
     _print_summary(Path(cfg.workdir), cfg.experiment)
+
+
+@app.command("import")
+def import_(
+    file: Annotated[Path, typer.Argument(help="Trajectories: .jsonl, .json or .parquet, one a row (or wide: --models).")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="The experiment YAML whose domain holds the problems.")],
+    experiment: Annotated[str, typer.Option(help="The experiment the trajectories are stored under.")],
+    prompt_field: Annotated[str, typer.Option(help="The problem text's field.")] = "question",
+    completion_field: Annotated[str, typer.Option(help="The solution's field (simple layout).")] = "completion",
+    correct_field: Annotated[Optional[str], typer.Option(help="A given label's field, bool or 0/1.")] = None,
+    step_labels_field: Annotated[Optional[str], typer.Option(help="Given step labels' field.")] = None,
+    models: Annotated[Optional[str], typer.Option(help="Wide layout: comma-separated keys of {solution, is_correct} "
+                                                       "sub-objects, one trajectory each.")] = None,
+    purpose: Annotated[str, typer.Option(help="'train', or 'eval' for trajectories on held-out problems.")] = "train",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override, e.g. --set workdir=/data/coevo.")] = None,
+) -> None:
+    """Load existing trajectories into the store through the `import_trajectories` flow: each one's problem
+    found in the domain, re-verified, stored with its file, row and model; prints the verifier's agreement
+    with the given labels."""
+    import json
+
+    from components.config import ConfigError, load_config
+
+    if not file.is_file():
+        fail(f"{file}: no such file", 2)
+    entry = {"path": str(file.resolve()), "prompt_field": prompt_field, "completion_field": completion_field,
+             "correct_field": correct_field, "step_labels_field": step_labels_field, "purpose": purpose,
+             "models": [m.strip() for m in models.split(",") if m.strip()] if models else None}
+    overrides = [*(set_ or []), f"experiment={experiment}", "recipe=import", "rounds=0", f"imports={json.dumps([entry])}"]
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        fail(str(e), 2)
+    _run_flow("import_trajectories", config_path=str(config), overrides=overrides)
+    from components.store import Store
+
+    run = Store(cfg.store_path).committed_run(cfg.experiment, 0, "import")
+    print(f"imported into {cfg.experiment} ({cfg.store_path}): " + ", ".join(
+        f"{k}={v:g}" for k, v in json.loads(run["metrics_json"] or "{}").items()))
 
 
 def _looks_local(name: str) -> bool:

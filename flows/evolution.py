@@ -97,6 +97,10 @@ def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, roun
     if not tracker.enabled:
         return
     for m in rows:
+        if round == 0 and m["role"] == "policy" and cfg.bootstrap.steps == 0:
+            # The given model, untouched: copying (maybe GBs of) it into MLflow's artifacts adds nothing.
+            get_run_logger().info(f"round 0's policy is the given model {m['uri']}: not registered")
+            continue
         tags = {"coevo.model_id": m["model_id"], "coevo.role": m["role"], "coevo.stage_run_id": m["stage_run_id"],
                 "coevo.train_examples": str(m["train_examples"]), "config_hash": cfg.config_hash(),
                 "coevo.lineage": f"SELECT * FROM v_lineage WHERE trained_model_id = '{m['model_id']}'"}
@@ -183,6 +187,13 @@ def self_evolution(config_path: str, overrides: list[str] | None = None) -> list
         tracker.finish()
         logger.info(f"experiment {cfg.experiment}: {cfg.rounds} rounds done; store {cfg.store_path}")
         return summaries
+
+
+@flow(name="import_trajectories", log_prints=True)
+def import_trajectories(config_path: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Existing trajectories into the store: recipe `import`, whose one round (0) is the `import` stage. The
+    files are the config's `imports` (`coevo import` sets them); committed imports are skipped on a rerun."""
+    return self_evolution(config_path=config_path, overrides=[*(overrides or []), "recipe=import", "rounds=0"])[0]
 
 
 @flow(name="run_stage", log_prints=True)

@@ -15,18 +15,20 @@ from components.store import DATA_TABLES
 
 def test_every_stage_is_registered_once_with_a_config_section_and_known_tables():
     assert set(STAGES) == {"bootstrap", "generate", "verify", "score", "train_reward", "filter", "train_policy",
-                           "evaluate"}
+                           "evaluate", "import"}
     sections = set(ExperimentConfig.model_fields)
     for name, s in STAGES.items():
         assert s.name == name and s.section in sections, name
         assert set(s.writes) <= set(DATA_TABLES), name
         assert set(s.reads) <= set(STAGES), name
         assert dataclasses.is_dataclass(s.inputs), name
-    assert {n for n, s in STAGES.items() if not s.gpu} == {"verify", "filter"}
+    assert {n for n, s in STAGES.items() if not s.gpu} == {"verify", "filter", "import"}
 
 
 def test_every_recipe_runs_registered_stages_and_ends_with_evaluate():
-    for name in RECIPES:
+    # `import` holds existing trajectories: round 0 only, no policy to evaluate.
+    assert get_recipe("import").round_stages(0) == ["import"] and get_recipe("import").stages == ()
+    for name in set(RECIPES) - {"import"}:
         r = get_recipe(name)
         for rnd in (0, 1):
             stages = r.round_stages(rnd)
