@@ -26,27 +26,59 @@ for _k, _v in TELEMETRY_OFF.items():
 os.environ.setdefault("COEVO_TORCH_THREADS", "1")
 
 
-# -- two workers (`make test` runs pytest-xdist with --dist loadgroup) --------------------------------
+# -- two workers (`make test`: pytest-xdist, `-n 2`) -------------------------------------------------
 
-# A session fixture runs once per worker: the tests that read one shared run go to one worker, and every
-# other slow module (its module-scoped run) stays whole on one worker too.
-SHARED_RUNS = {"fault_runs": "fault", "micro_workdir": "micro"}
+# A session fixture runs once per worker, so the tests that read one shared run must all go to one
+# worker, and each other slow module (its module-scoped run) stays whole. xdist's own `loadgroup` marks
+# do not reach its scheduler under pytest 9 (it renames `item._nodeid`, which pytest 9 no longer reads),
+# and the scheduler sees node ids only: the groups are by path, and collection checks them against the
+# fixtures each test uses, so a test that reads a shared run from outside its group fails at once.
+SHARED_RUNS = {  # group: (the session fixture, the paths of the tests that use it)
+    "fault": ("fault_runs", ("tests/fault/",)),
+    "micro": ("micro_workdir", ("tests/integration/test_pipeline.py", "tests/integration/test_coevo_recipe.py",
+                                "tests/integration/test_implicit_prm.py", "tests/ops/")),
+}
+SLOW_DIRS = ("tests/integration/", "tests/extension/", "tests/ui/", "tests/ops/", "tests/fault/")
+
+
+def test_group(nodeid: str) -> str:
+    """The unit of work one worker takes whole: a shared run's group, a slow module, or the test itself."""
+    path = nodeid.split("::", 1)[0]
+    for group, (_, paths) in SHARED_RUNS.items():
+        if path.startswith(paths):
+            return group
+    return path if path.startswith(SLOW_DIRS) else nodeid
+
+
+test_group.__test__ = False  # a helper, not a test
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedRunScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return SharedRunScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
-    rank = {}
     for item in items:
         names = getattr(item, "fixturenames", ())
-        group = next((g for fixture, g in SHARED_RUNS.items() if fixture in names), None)
-        if group is None and item.get_closest_marker("slow") is not None:
-            group = item.module.__name__
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-        rank[item.nodeid] = list(SHARED_RUNS.values()).index(group) if group in SHARED_RUNS.values() else (
-            len(SHARED_RUNS) if group else len(SHARED_RUNS) + 1)
-    # The longest groups first, so that each worker starts one and the short tests fill in behind them;
-    # a stable sort keeps each group's own order (the fault tests read their runs in file order).
-    items.sort(key=lambda item: rank[item.nodeid])
+        for group, (fixture, _) in SHARED_RUNS.items():
+            if fixture in names and test_group(item.nodeid) != group:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its path to SHARED_RUNS[{group!r}] in "
+                                        "tests/conftest.py, so one worker runs every test of that shared run")
+    # The longest groups first, so that each worker starts one and the short tests fill in behind them; a
+    # stable sort keeps each group's own order (the fault tests read their runs in file order).
+    order = [*SHARED_RUNS, "slow"]
+
+    def rank(item) -> int:
+        g = test_group(item.nodeid)
+        return order.index(g) if g in SHARED_RUNS else order.index("slow") if g != item.nodeid else len(order)
+
+    items.sort(key=rank)
 
 
 # -- the `coevo` CLI in a subprocess, as a user runs it ---------------------------------------------
