@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from components.models.prompts import PromptFormat, chat_turn_end, check_prompt_format, render_prompts
 from components.seeding import seed_stream
 
 
@@ -49,11 +50,20 @@ class HFBackend:
     left padding stays short and sequences of one level finish together. Each batch reseeds torch
     from (seed, batch index) inside `fork_rng`, so results do not depend on what ran before and the
     caller's RNG is left alone. Sampled outputs do depend on `batch_size` (it sets the batches).
+
+    `prompt_format` renders every prompt through `models.prompts.render_prompt` with the model's own
+    tokenizer, as the trainers do; under `chat` generation also stops at the template's turn terminator
+    (`chat_turn_end`), the token chat training ends completions with. `max_prompt_length` (tokens, after
+    rendering) keeps the last that many tokens of a longer prompt (its BOS kept), counting each cut prompt
+    in `truncated_prompts`; more than `max_truncated_fraction` of a call's prompts over it raises
+    TruncationError naming `setting`.
     """
 
     def __init__(self, model_name_or_path: str, batch_size: int = 256, device: str = "auto",
                  dtype: str | None = None, stop: list[str] | None = None, num_threads: int | None = None,
-                 progress: bool = True):
+                 progress: bool = True, prompt_format: PromptFormat | dict[str, Any] | str | None = None,
+                 max_prompt_length: int | None = None, max_truncated_fraction: float = 0.0,
+                 setting: str = "generate"):
         import torch
 
         from components.models.tiny import load_policy
@@ -62,14 +72,26 @@ class HFBackend:
             # Process-wide. On a shared CPU, 1 thread per process beats 2 by up to 10x: intra-op
             # threads spin at barriers when the cores are already busy.
             torch.set_num_threads(num_threads)
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"{setting}.max_prompt_length must be >= 1 token or None, got {max_prompt_length}")
+        if not 0 <= max_truncated_fraction <= 1:
+            raise ValueError(f"{setting}.max_truncated_fraction must be in [0, 1], got {max_truncated_fraction}")
         self.torch = torch
         if device == "auto":  # the GPU where one exists: the same config runs on a laptop and a GPU node
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tok = load_policy(model_name_or_path, device=device, dtype=dtype)
+        self.prompt_format = PromptFormat.of(prompt_format)
+        check_prompt_format(self.tok, self.prompt_format, model_name_or_path)
         self.batch_size, self.stop, self.progress = batch_size, stop, progress
+        self.max_prompt_length, self.max_truncated_fraction = max_prompt_length, max_truncated_fraction
+        self.setting, self.truncated_prompts = setting, 0
         eos = self.model.generation_config.eos_token_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        self.eos_ids = sorted(set(eos) | ({self.tok.eos_token_id} if self.tok.eos_token_id is not None else set()))
+        if self.tok.eos_token_id is not None:
+            eos.append(self.tok.eos_token_id)
+        if self.prompt_format.kind == "chat":  # where chat training ends a completion, whatever the configs say
+            eos.append(self.tok.convert_tokens_to_ids(chat_turn_end(self.tok, model_name_or_path)))
+        self.eos_ids = sorted(set(eos))
         if not self.eos_ids:
             raise ValueError(f"{model_name_or_path}: neither the tokenizer nor the generation config names an EOS")
 
@@ -78,7 +100,8 @@ class HFBackend:
         torch, tok = self.torch, self.tok
         stop = self.stop if stop is None else stop
         # add_special_tokens as TRL's SFTTrainer tokenizes prompts (a BOS for models that use one).
-        prompt_ids = tok(prompts, add_special_tokens=True)["input_ids"]
+        texts = render_prompts(tok, prompts, self.prompt_format)
+        prompt_ids = self._cut(tok(texts, add_special_tokens=True)["input_ids"])
         flat = [(i, j) for i in range(len(prompts)) for j in range(n)]
         order = sorted(range(len(flat)), key=lambda k: (len(prompt_ids[flat[k][0]]), k))
         kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
@@ -107,6 +130,25 @@ class HFBackend:
         for (i, _), s in zip(flat, out, strict=True):
             result[i].append(s)
         return result
+
+    def _cut(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """Prompts over max_prompt_length keep their last tokens (and a leading BOS); counted, or refused."""
+        limit = self.max_prompt_length
+        if limit is None:
+            return prompt_ids
+        from components.training.common import check_truncation
+
+        check_truncation([len(ids) for ids in prompt_ids], limit, self.max_truncated_fraction, self.setting,
+                         key="max_prompt_length", noun="prompts")
+        bos = self.tok.bos_token_id
+        out = []
+        for ids in prompt_ids:
+            if len(ids) > limit:
+                self.truncated_prompts += 1
+                keep_bos = bos is not None and ids[0] == bos and limit > 1
+                ids = [bos, *ids[len(ids) - limit + 1:]] if keep_bos else ids[len(ids) - limit:]
+            out.append(ids)
+        return out
 
     def _sample(self, ids: list[int], stop: list[str] | None) -> Sample:
         end = next((p for p, t in enumerate(ids) if t in self.eos_ids), None)

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from components.models.tokenizer import build_char_tokenizer
+from components.training.common import torch_dtype
+from components.training.lora import load_causal_lm
 
 
 @dataclass
@@ -62,7 +64,9 @@ def load_policy(name_or_path: str | Path, device: str = "cpu", dtype: torch.dtyp
     """(model, tokenizer) for any HF model name or local path, in eval mode, padded left for generation.
 
     A local path that does not exist fails here, with that path, rather than as a hub lookup error.
-    `dtype` None means float32 (CPU-safe); pass "auto" to take the checkpoint's own dtype on GPU.
+    `dtype` None means float32 (CPU-safe); "bfloat16", "float16" (CUDA only) or "auto" (the checkpoint's
+    own). A LoRA adapter folder (adapter_config.json, as `train_sft` writes with `lora.merge=False`) loads
+    as its base with the adapter merged in, and the folder's tokenizer and generation config.
     """
     name = str(name_or_path)
     if _looks_local(name) and not Path(name).expanduser().exists():
@@ -73,8 +77,9 @@ def load_policy(name_or_path: str | Path, device: str = "cpu", dtype: torch.dtyp
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # decoder-only generation continues from the right edge
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype or torch.float32)
+    model = load_causal_lm(name, torch_dtype(dtype) if isinstance(dtype, str) else dtype or torch.float32)
+    if model.dtype == torch.float16 and not str(device).startswith("cuda"):  # "auto" may find fp16 weights too
+        raise ValueError(f"{name}: float16 weights need a CUDA device, not {device!r}; load with dtype bfloat16 "
+                         "or float32")
     model.to(device).eval()
     return model, tok

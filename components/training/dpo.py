@@ -4,11 +4,15 @@
                         [{"prompt": "3+4\\n", "chosen": "3+4=7\\n#### 7\\n", "rejected": "3+4=8\\n#### 8\\n"}],
                         "out/model", DPOParams(max_steps=100, beta=0.1))
 
-Plain text, no chat template: TRL tokenizes `prompt` and `prompt + completion` with the tokenizer's own
-call, as SFT does, so the char tokenizer (which adds no BOS/EOS) sees exactly the characters, and every
-completion ends with EOS so the preference covers stopping. The reference is frozen; `ref_model_path`
-None (or the policy's own path) makes TRL load a second copy of the starting model. `sft_weight` > 0
-adds TRL's "sft" loss, the mean NLL of the chosen tokens, with that weight: RPO (Pang et al. 2024).
+TRL tokenizes `prompt` and `prompt + completion` as plain text with the tokenizer's own call, as SFT
+does, so the char tokenizer (which adds no BOS/EOS) sees exactly the characters, and every completion
+ends with EOS so the preference covers stopping. `prompt_format="chat"` renders the prompt with the chat
+template first and makes the template's turn terminator the EOS, as in SFT (see sft.py). The reference is
+frozen; `ref_model_path` None (or the policy's own path) makes TRL load a second copy of the starting
+model, or, with LoRA, use the policy with its adapters switched off. Pairs whose longer side exceeds
+`max_length` tokens are counted before training (`truncated`) and fail past `max_truncated_fraction`.
+`sft_weight` > 0 adds TRL's "sft" loss, the mean NLL of the chosen tokens, with that weight: RPO (Pang et
+al. 2024).
 The saved model is weights (safetensors), config, generation config and tokenizer; no pickles. On CPU
 two runs with the same seed and data give a byte-identical model.safetensors.
 """
@@ -23,7 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.training.sft import ProgressCallback, _quiet_datasets, check_schedule, load_for_training
+from components.models.prompts import RAW, PromptFormat, chat_turn_end, check_prompt_format, render_prompt
+from components.training.common import (ProgressCallback, check_dtype, check_loaded_dtype, check_schedule,
+                                        check_truncation, keep_safetensors_only, load_for_training, quiet_datasets,
+                                        token_lengths, use_turn_end_as_eos)
+from components.training.lora import LoraParams, is_adapter_dir, load_causal_lm, lora_config, save_lora
 
 # TRL 1.16 DPOConfig.loss_type choices. "exo_pair" is left out: it needs label_smoothing > 0, which these
 # params do not carry.
@@ -43,12 +51,22 @@ class DPOParams:
     seed: int = 0                       # data order (dropout is off in DPO)
     logging_steps: int = 10             # loss and rewards are logged (and progress_callback called) this often
     max_length: int | None = 256        # tokens of prompt + completion; a prompt this long drops the pair
+    max_truncated_fraction: float = 0.0  # the share of pairs allowed over max_length before TruncationError
+    setting: str = "train_policy.dpo"   # the config section that errors name, e.g. "train_policy.dpo.max_length"
+    prompt_format: PromptFormat = RAW   # raw, or chat: the tokenizer's template, completions end at its turn end
+    dtype: str = "float32"              # weights trained and saved: float32, bfloat16, float16 (CUDA, LoRA), auto
+    gradient_accumulation_steps: int = 1  # forward passes per optimizer step
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~20% slower
+    lora: LoraParams | None = None      # train LoRA adapters; the reference is then the policy without them
     num_threads: int | None = None      # torch intra-op threads (process-wide); None leaves the setting alone
     use_cpu: bool | None = None         # None: CPU exactly when no CUDA device exists
     sft_weight: float = 0.0             # weight of the NLL on chosen (RPO, Pang et al. 2024); 0 = pure DPO
 
     def __post_init__(self) -> None:
+        self.prompt_format = PromptFormat.of(self.prompt_format)
+        self.lora = LoraParams.of(self.lora)
         check_schedule(self)
+        check_dtype(self.dtype, lora=self.lora is not None, use_cpu=self.use_cpu, where=type(self).__name__)
         if not self.beta > 0:  # also rejects nan
             raise ValueError(f"DPOParams.beta must be > 0, got {self.beta}: it scales the implicit reward")
         if self.loss_type not in LOSS_TYPES:
@@ -58,8 +76,6 @@ class DPOParams:
         if self.sft_weight > 0 and self.loss_type == "sft":
             raise ValueError("DPOParams: sft_weight adds an SFT term to a preference loss; with loss_type='sft' "
                              "set sft_weight=0 or choose a preference loss_type")
-        if self.max_length is not None and self.max_length < 2:
-            raise ValueError(f"DPOParams.max_length must be >= 2 tokens or None, got {self.max_length}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"DPOParams.num_threads must be >= 1 or None, got {self.num_threads}")
 
@@ -73,31 +89,46 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
     starting model itself is the reference.
 
     Returns train_loss (mean over all steps), first_loss / final_loss (first and last logged), steps,
-    runtime_s, pairs (the number trained on) and the last logged "rewards/accuracies" (fraction of pairs
-    whose implicit reward beta * log(pi/pi_ref) ranks chosen first) and "rewards/margins" (mean chosen minus
-    rejected reward); nan where nothing was logged.
+    runtime_s, pairs (the number trained on), truncated / truncated_fraction (pairs over max_length, counted
+    before training) and the last logged "rewards/accuracies" (fraction of pairs whose implicit reward
+    beta * log(pi/pi_ref) ranks chosen first) and "rewards/margins" (mean chosen minus rejected reward);
+    nan where nothing was logged.
     """
     import datasets
     import torch
-    from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     from components.rewards import save_checkpoint
 
     _check_pairs(pairs)
-    model, tok = load_for_training(model_path, params.num_threads)
-    ref_model = None  # TRL then loads the reference from the policy's own path
+    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
+    check_dtype(params.dtype, lora=params.lora is not None, use_cpu=use_cpu, where="DPOParams")
+    model, tok = load_for_training(model_path, params.num_threads, params.dtype)
+    check_loaded_dtype(model, lora=params.lora is not None, use_cpu=use_cpu, where="DPOParams")
+    fmt = params.prompt_format
+    check_prompt_format(tok, fmt, model_path)
+    if fmt.kind == "chat":  # the completion ends where the template ends a turn, and generation stops there
+        use_turn_end_as_eos(model, tok, chat_turn_end(tok, model_path))
+    # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
+    eos = tok.eos_token
+    rows = [{"prompt": render_prompt(tok, p["prompt"], fmt),
+             **{k: p[k] + ("" if p[k].endswith(eos) else eos) for k in ("chosen", "rejected")}} for p in pairs]
+    # A pair is cut when either side is: TRL truncates prompt + chosen and prompt + rejected separately.
+    lengths = [max(c, r) for c, r in zip(token_lengths(tok, [x["prompt"] + x["chosen"] for x in rows]),
+                                         token_lengths(tok, [x["prompt"] + x["rejected"] for x in rows]), strict=True)]
+    truncation = check_truncation(lengths, params.max_length, params.max_truncated_fraction, params.setting,
+                                  noun="pairs")
+    ref_model = None  # TRL then loads the reference from the policy's own path, or with LoRA disables the adapters
     if ref_model_path is not None and not _same_path(ref_model_path, model_path):
-        ref_model = AutoModelForCausalLM.from_pretrained(ref_model_path, dtype=torch.float32)
+        ref_model = load_causal_lm(ref_model_path, model.dtype)
         if ref_model.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"train_dpo: reference {ref_model_path} has vocab {ref_model.config.vocab_size}, the "
                              f"policy {model_path} has {model.config.vocab_size}; they must share a tokenizer")
-    # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
-    eos = tok.eos_token
-    ds = datasets.Dataset.from_list([
-        {"prompt": p["prompt"], **{k: p[k] + ("" if p[k].endswith(eos) else eos) for k in ("chosen", "rejected")}}
-        for p in pairs])
-    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
+    elif params.lora is None and is_adapter_dir(model_path):  # TRL would load the adapter's base, not the policy
+        ref_model = load_causal_lm(model_path, model.dtype)
+    ds = datasets.Dataset.from_list(rows)
+    peft_config = lora_config(params.lora, model, f"{params.setting}.lora") if params.lora else None
     history: list[dict[str, float]] = []
 
     class _Record(TrainerCallback):
@@ -109,34 +140,41 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
                 progress_callback(state.global_step, state.max_steps, float(logs["loss"]))
 
     with tempfile.TemporaryDirectory(prefix="coevo-dpo-") as scratch:
-        args = _dpo_config(DPOConfig, scratch, params, use_cpu)
-        with _quiet_datasets():  # TRL's dataset.map progress bars would flood the stage log
+        args = _dpo_config(DPOConfig, scratch, params, use_cpu, fp16=model.dtype == torch.float16)
+        # TRL's dataset.map progress bars would flood the stage log; peft reads `is_gradient_checkpointing`.
+        with warnings.catch_warnings(), quiet_datasets():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=ds,
-                                 processing_class=tok, callbacks=[_Record()])
+                                 processing_class=tok, callbacks=[_Record()], peft_config=peft_config)
         trainer.remove_callback(PrinterCallback)  # it prints every log dict; progress_callback reports instead
         used = len(trainer.train_dataset)
         if used == 0:
             raise ValueError(f"train_dpo: every prompt fills max_length={params.max_length} tokens, so TRL dropped "
                              "all pairs; raise max_length")
         t0 = time.perf_counter()
-        with warnings.catch_warnings():  # TRL 1.16 reads the renamed `is_gradient_checkpointing` every step
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with warnings.catch_warnings():  # TRL 1.16 and peft call renamed `*gradient_checkpointing*` methods
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
             result = trainer.train()
         runtime = time.perf_counter() - t0
     tok.padding_side = "left"  # saved for generation
-    save_checkpoint(trainer.accelerator.unwrap_model(trainer.model), tok, out_dir)
-    if not (Path(out_dir) / "model.safetensors").exists():
-        raise RuntimeError(f"{out_dir}: no model.safetensors was written")
+    trained = trainer.accelerator.unwrap_model(trainer.model)
+    if params.lora:
+        save_lora(trained, tok, out_dir, params.lora, base=model_path)
+        keep_safetensors_only(Path(out_dir))
+    else:
+        save_checkpoint(trained, tok, out_dir)
+        if not (Path(out_dir) / "model.safetensors").exists():
+            raise RuntimeError(f"{out_dir}: no model.safetensors was written")
     losses = [float(h["loss"]) for h in history if "loss" in h]
     return {
         "train_loss": float(result.training_loss),
         "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
-        "steps": int(result.global_step), "runtime_s": runtime, "pairs": used,
+        "steps": int(result.global_step), "runtime_s": runtime, "pairs": used, **truncation,
         **{k: _last(history, k) for k in ("rewards/accuracies", "rewards/margins")},
     }
 
 
-def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool):
+def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool, fp16: bool):
     # The RPO term is TRL's "sft" loss added to the preference loss; TRL 1.16 has no rpo_alpha any more.
     loss_type, loss_weights = [params.loss_type], None
     if params.sft_weight > 0:
@@ -148,8 +186,10 @@ def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool):
         warmup_steps=params.warmup_ratio,  # transformers 5 dropped warmup_ratio: a float < 1 is a ratio
         seed=params.seed, data_seed=params.seed, use_cpu=use_cpu,
         # TRL configs default to bf16 and activation checkpointing: both only slow a small fp32 model down,
-        # and bf16 on CPU would also change the numbers.
-        bf16=False, fp16=False, activation_checkpointing=False,
+        # and bf16 on CPU would also change the numbers. bf16 weights come from `dtype` instead; fp16 weights
+        # (LoRA only) need the fp16 mode's loss scaler.
+        bf16=False, fp16=fp16, activation_checkpointing=params.gradient_checkpointing,
+        gradient_accumulation_steps=params.gradient_accumulation_steps,
         logging_steps=params.logging_steps, logging_first_step=True, disable_tqdm=True, report_to="none",
         save_strategy="no", dataloader_num_workers=0, dataloader_pin_memory=not use_cpu,
         beta=params.beta, loss_type=loss_type, loss_weights=loss_weights, max_length=params.max_length,

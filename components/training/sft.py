@@ -8,52 +8,63 @@ the model learns to stop. `max_steps * batch_size` may exceed the data: the Trai
 epochs, reshuffled each epoch from the seed. The saved model is weights (safetensors), config,
 generation config and tokenizer; no pickles. On CPU two runs with the same seed and data give a
 byte-identical model.safetensors.
+
+A real model: `prompt_format="chat"` renders each prompt with the tokenizer's chat template
+(`models.prompts.render_prompt`, as generation does), and the template's turn terminator ("<|im_end|>"
+for ChatML) becomes the EOS every completion ends with; the saved tokenizer, config and generation
+config carry it, as Qwen2.5-Instruct's do, so generation stops where training taught it to. Examples
+over `max_length` tokens are counted before training (`common.check_truncation`). `dtype`, gradient
+accumulation and checkpointing, and LoRA (`lora.LoraParams`) are settings; the defaults train fp32
+weights in full on raw prompts, as before they existed.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ProgressCallback = Callable[[int, int, float], None]  # (step, max_steps, loss)
+from components.models.prompts import RAW, PromptFormat, chat_turn_end, check_prompt_format, render_prompt
+from components.training.common import (ProgressCallback, TruncationError, check_dtype, check_loaded_dtype,
+                                        check_schedule, check_truncation, keep_safetensors_only, load_for_training,
+                                        quiet_datasets, token_lengths, use_turn_end_as_eos)
+from components.training.lora import LoraParams, lora_config, save_lora
+
+__all__ = ["ProgressCallback", "SFTParams", "TruncationError", "check_schedule", "load_for_training", "train_sft"]
 
 
 @dataclass
 class SFTParams:
     max_steps: int = 300
-    batch_size: int = 64
+    batch_size: int = 64                # examples per forward pass; an optimizer step sees this x accumulation
     learning_rate: float = 1e-3
     warmup_ratio: float = 0.05          # fraction of max_steps spent ramping the LR up linearly
     weight_decay: float = 0.0
     lr_scheduler: str = "cosine"        # any transformers SchedulerType, e.g. "constant", "linear"
     seed: int = 0                       # model init of new heads, dropout and data order
     logging_steps: int = 50             # loss is logged (and progress_callback called) this often
-    max_length: int | None = 256        # tokens; longer examples are truncated
+    max_length: int | None = 256        # tokens of prompt + completion; longer examples are cut, and counted
+    max_truncated_fraction: float = 0.0  # the share of examples allowed over max_length before TruncationError
+    setting: str = "train_policy"       # the config section that errors name, e.g. "train_policy.max_length"
+    prompt_format: PromptFormat = RAW   # raw, or chat: the tokenizer's template, completions end at its turn end
+    dtype: str = "float32"              # weights trained and saved: float32, bfloat16, float16 (CUDA, LoRA), auto
+    gradient_accumulation_steps: int = 1  # forward passes per optimizer step
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory, ~20% slower
+    lora: LoraParams | None = None      # train LoRA adapters instead of every weight
     num_threads: int | None = None      # torch intra-op threads (process-wide); None leaves the setting alone
     use_cpu: bool | None = None         # None: CPU exactly when no CUDA device exists
     bf16: bool = False                  # GPU mixed precision
     full_determinism: bool = False      # GPU bitwise reproducibility (slower); CPU is deterministic already
 
     def __post_init__(self) -> None:
+        self.prompt_format = PromptFormat.of(self.prompt_format)
+        self.lora = LoraParams.of(self.lora)
         check_schedule(self)
-
-
-def check_schedule(params: Any) -> None:
-    """The checks every trainer's params share (SFTParams, DPOParams): steps, batch, logging, warmup, LR."""
-    name = type(params).__name__
-    if params.max_steps < 1 or params.batch_size < 1 or params.logging_steps < 1:
-        raise ValueError(f"{name}: max_steps, batch_size and logging_steps must be >= 1")
-    if not 0 <= params.warmup_ratio < 1:
-        raise ValueError(f"{name}.warmup_ratio must be in [0, 1), got {params.warmup_ratio}")
-    if params.learning_rate <= 0:
-        raise ValueError(f"{name}.learning_rate must be > 0, got {params.learning_rate}")
+        check_dtype(self.dtype, lora=self.lora is not None, use_cpu=self.use_cpu, where=type(self).__name__)
 
 
 def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, params: SFTParams,
@@ -61,7 +72,8 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
     """Fine-tune the model at `model_path` on {"prompt", "completion"} examples; save it to `out_dir`.
 
     Returns train_loss (mean over all steps), first_loss / final_loss (first and last logged),
-    steps, tokens_seen (non-padding tokens fed, prompts included), runtime_s and tokens_per_s.
+    steps, tokens_seen (non-padding tokens fed, prompts included), runtime_s, tokens_per_s, and
+    truncated / truncated_fraction (examples longer than max_length, counted before training).
     """
     import datasets
     import torch
@@ -70,13 +82,22 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
 
     if not examples:
         raise ValueError("train_sft: no examples")
-    model, tok = load_for_training(model_path, params.num_threads)
+    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
+    check_dtype(params.dtype, lora=params.lora is not None, use_cpu=use_cpu, where="SFTParams")
+    model, tok = load_for_training(model_path, params.num_threads, params.dtype)
+    check_loaded_dtype(model, lora=params.lora is not None, use_cpu=use_cpu, where="SFTParams")
+    fmt = params.prompt_format
+    check_prompt_format(tok, fmt, model_path)
+    if fmt.kind == "chat":  # the completion ends where the template ends a turn, and generation stops there
+        use_turn_end_as_eos(model, tok, chat_turn_end(tok, model_path))
     # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
     eos = tok.eos_token
-    ds = datasets.Dataset.from_list([
-        {"prompt": e["prompt"], "completion": e["completion"] + ("" if e["completion"].endswith(eos) else eos)}
-        for e in examples])
-    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
+    rows = [{"prompt": render_prompt(tok, e["prompt"], fmt),
+             "completion": e["completion"] + ("" if e["completion"].endswith(eos) else eos)} for e in examples]
+    truncation = check_truncation(token_lengths(tok, [r["prompt"] + r["completion"] for r in rows]),
+                                  params.max_length, params.max_truncated_fraction, params.setting)
+    ds = datasets.Dataset.from_list(rows)
+    peft_config = lora_config(params.lora, model, f"{params.setting}.lora") if params.lora else None
     losses: list[float] = []
 
     class _Progress(TrainerCallback):
@@ -87,81 +108,50 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
                     progress_callback(state.global_step, state.max_steps, float(logs["loss"]))
 
     with tempfile.TemporaryDirectory(prefix="coevo-sft-") as scratch:
-        with warnings.catch_warnings():  # TRL 1.16 still sets the renamed `gradient_checkpointing`
+        # TRL 1.16 still sets the renamed `gradient_checkpointing`, and peft reads `is_gradient_checkpointing`;
+        # TRL's dataset.map progress bars would flood the stage log.
+        with warnings.catch_warnings(), quiet_datasets():
             warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
-            args = _sft_config(SFTConfig, scratch, params, use_cpu)
-        with _quiet_datasets():  # TRL's dataset.map progress bars would flood the stage log
+            args = _sft_config(SFTConfig, scratch, params, use_cpu, fp16=model.dtype == torch.float16)
             trainer = SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                                 callbacks=[_Progress()])
+                                 callbacks=[_Progress()], peft_config=peft_config)
         trainer.remove_callback(PrinterCallback)  # it prints every log dict; progress_callback reports instead
         t0 = time.perf_counter()
-        result = trainer.train()
+        with warnings.catch_warnings():  # peft and checkpointing call renamed `*gradient_checkpointing*` methods
+            warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+            result = trainer.train()
         runtime = time.perf_counter() - t0
         tokens_seen = int(trainer.state.num_input_tokens_seen)
         out = Path(out_dir)
         tok.padding_side = "left"  # saved for generation
-        trainer.save_model(str(out))
-    _keep_safetensors_only(out)
+        if params.lora:
+            save_lora(trainer.accelerator.unwrap_model(trainer.model), tok, out, params.lora, base=model_path)
+        else:
+            trainer.save_model(str(out))
+    keep_safetensors_only(out)
     return {
         "train_loss": float(result.training_loss),
         "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
         "steps": int(result.global_step), "tokens_seen": tokens_seen, "runtime_s": runtime,
-        "tokens_per_s": tokens_seen / max(runtime, 1e-9),
+        "tokens_per_s": tokens_seen / max(runtime, 1e-9), **truncation,
     }
 
 
-def load_for_training(model_path: str, num_threads: int | None):
-    """(model in fp32, tokenizer with a pad token) to train from; sets torch's threads when asked."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), tok
-
-
-def _sft_config(SFTConfig, output_dir: str, params: SFTParams, use_cpu: bool):
+def _sft_config(SFTConfig, output_dir: str, params: SFTParams, use_cpu: bool, fp16: bool):
     return SFTConfig(
         output_dir=output_dir,  # scratch: with save_strategy="no" nothing lands there
         max_steps=params.max_steps, per_device_train_batch_size=params.batch_size,
+        gradient_accumulation_steps=params.gradient_accumulation_steps,
         learning_rate=params.learning_rate, lr_scheduler_type=params.lr_scheduler,
         warmup_steps=params.warmup_ratio,  # transformers 5 dropped warmup_ratio: a float < 1 is a ratio
         weight_decay=params.weight_decay, seed=params.seed, data_seed=params.seed,
         full_determinism=params.full_determinism, use_cpu=use_cpu, bf16=params.bf16,
+        fp16=fp16,  # fp16 weights (LoRA only) need loss scaling: the Trainer's fp16 mode brings its scaler
         logging_steps=params.logging_steps, logging_first_step=True, disable_tqdm=True, report_to="none",
         save_strategy="no", dataloader_num_workers=0, dataloader_pin_memory=not use_cpu,
         include_num_input_tokens_seen="non_padding",
         max_length=params.max_length, packing=False, completion_only_loss=True,
-        # SFTConfig turns activation checkpointing on by default: recomputing activations only slows a small
-        # model (18% measured on the micro policy), and the trained bytes are the same either way.
-        activation_checkpointing=False,
+        # SFTConfig turns activation checkpointing on by default: off unless asked, as recomputing activations
+        # only slows a small model (18% measured on the micro policy), and the trained bytes are the same.
+        activation_checkpointing=params.gradient_checkpointing,
     )
-
-
-@contextlib.contextmanager
-def _quiet_datasets():
-    """Turn datasets' progress bars off for a block, then restore the caller's setting."""
-    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
-
-    if are_progress_bars_disabled():
-        yield
-        return
-    disable_progress_bars()
-    try:
-        yield
-    finally:
-        enable_progress_bars()
-
-
-def _keep_safetensors_only(out: Path) -> None:
-    """Trainer.save_model also pickles the TrainingArguments (training_args.bin): drop it, then refuse
-    any other pickle, so a checkpoint can be loaded without unpickling code."""
-    (out / "training_args.bin").unlink(missing_ok=True)
-    pickles = [p.name for p in out.rglob("*") if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
-    if pickles:
-        raise RuntimeError(f"{out}: refusing pickled checkpoint files {pickles}; safetensors only")
-    if not any(out.glob("*.safetensors")):
-        raise RuntimeError(f"{out}: no safetensors weights were written")
