@@ -38,11 +38,41 @@ class TinyModelConfig(_Section):
     max_position_embeddings: int = Field(256, ge=16)
 
 
+class LoraConfig(_Section):
+    """Train LoRA adapters (peft) instead of every weight."""
+
+    r: int = Field(8, ge=1, description="Adapter rank.")
+    alpha: int = Field(16, ge=1, description="Scale: the update is alpha / r times the adapter product.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: str | list[str] = Field(
+        "all-linear", description="Module names (or 'all-linear', or a regex) that get adapters.")
+    merge: bool = Field(True, description="Save merged weights (any HF or vLLM loader reads them); false saves the "
+                                          "adapter beside its base, which the HF backend loads.")
+
+
 class PolicyConfig(_Section):
     model: str | None = Field(
         None, description="HF model name or local path. Null bootstraps a tiny Llama from scratch (round 0)."
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Architecture of the from-scratch model.")
+    prompt_format: Literal["raw", "chat"] = Field(
+        "raw", description="raw: the domain's prompt as it is; chat: one user turn through the tokenizer's chat "
+                           "template (instruct models). Sampling, SFT and DPO render alike.")
+    system_prompt: str | None = Field(None, description="prompt_format=chat: a system turn before the user's.")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="Weights trained, saved and sampled: auto keeps the checkpoint's own; float16 needs "
+                               "a GPU and LoRA.")
+    lora: LoraConfig | None = Field(None, description="Null: full fine-tuning.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory, slower.")
+    max_truncated_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of training examples (or prompts) allowed over their max_length "
+                                         "before a stage fails; every cut one is counted either way.")
+
+    @model_validator(mode="after")
+    def _system_needs_chat(self) -> "PolicyConfig":
+        if self.system_prompt is not None and self.prompt_format != "chat":
+            raise ValueError("policy.system_prompt needs policy.prompt_format=chat")
+        return self
 
 
 class BootstrapConfig(_Section):
@@ -61,6 +91,8 @@ class BootstrapConfig(_Section):
                                               "stored, for replay.")
     batch_size: int = Field(64, ge=1)
     learning_rate: float = Field(2e-3, gt=0)
+    max_length: int = Field(256, ge=2, description="Tokens of prompt + completion; longer demos are counted.")
+    gradient_accumulation_steps: int = Field(1, ge=1)
 
 
 class SearchConfig(_Section):
@@ -92,6 +124,9 @@ class GenerateConfig(_Section):
                                 "this many verified right answers so far, until samples_per_problem are drawn. A "
                                 "problem the policy solves at once costs one draw; the hard ones get the rest.")
     wave_size: int = Field(1, ge=1, description="Samples per problem per wave when until_correct is set.")
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="hf backend: prompts over this many tokens lose their start, and are counted; "
+                                "null: no limit.")
 
     @field_validator("backend")
     @classmethod
@@ -193,6 +228,7 @@ class DPOConfig(_Section):
     reference: Literal["previous", "initial"] = Field(
         "previous", description="The frozen reference: the previous round's policy, or the round-0 model.")
     sft_weight: float = Field(0.0, ge=0, description="NLL on the chosen completion added to the loss (RPO).")
+    max_length: int = Field(256, ge=2, description="Tokens of prompt + completion; longer pairs are counted.")
 
 
 class TrainPolicyConfig(_Section):
@@ -214,6 +250,8 @@ class TrainPolicyConfig(_Section):
         description="Replayed examples from earlier rounds (round-0 demos included) per new example; "
                     "without replay the policy forgets the levels the curriculum no longer samples.",
     )
+    max_length: int = Field(256, ge=2, description="Tokens of prompt + completion; longer examples are counted.")
+    gradient_accumulation_steps: int = Field(1, ge=1)
 
 
 class TrainRewardConfig(_Section):

@@ -82,6 +82,13 @@ WITH gen AS (
     -- So are the step draws a PRM-guided search discarded (generate.search).
     SELECT experiment_id, round, sum(TRY_CAST(json_extract(metrics_json, '$.search_discarded_tokens') AS DOUBLE))::BIGINT AS search_tokens
     FROM stage_runs WHERE stage = 'generate' AND status = 'committed' GROUP BY ALL
+), trunc AS (
+    -- Training examples cut to a max_length and prompts cut to generate.max_prompt_length: never silent.
+    SELECT experiment_id, round,
+           sum(coalesce(TRY_CAST(json_extract(metrics_json, '$.truncated') AS DOUBLE), 0)
+               + coalesce(TRY_CAST(json_extract(metrics_json, '$.dpo_truncated') AS DOUBLE), 0)
+               + coalesce(TRY_CAST(json_extract(metrics_json, '$.truncated_prompts') AS DOUBLE), 0))::BIGINT AS truncated
+    FROM stage_runs WHERE status = 'committed' GROUP BY ALL
 ), ev AS (
     SELECT experiment_id, round,
            max(value) FILTER (WHERE metric = 'greedy_acc' AND level = -1) AS greedy_acc,
@@ -101,7 +108,8 @@ SELECT ev.experiment_id, ev.round, p.levels_json AS curriculum_levels,
        coalesce(mc.mc_tokens, 0) AS mc_tokens, coalesce(srch.search_tokens, 0) AS search_tokens,
        coalesce(gen.generated_tokens, 0) + coalesce(mc.mc_tokens, 0) + coalesce(srch.search_tokens, 0) AS budget_tokens,
        ver.train_pass_rate, coalesce(sel.selected, 0) AS selected, coalesce(sel.dpo_pairs, 0) AS dpo_pairs,
-       ev.greedy_acc, ev.maj_acc, lv.greedy_acc_by_level, ev.prm_step_f1, ev.processbench_f1
+       ev.greedy_acc, ev.maj_acc, lv.greedy_acc_by_level, ev.prm_step_f1, ev.processbench_f1,
+       coalesce(trunc.truncated, 0) AS truncated
 FROM ev
 LEFT JOIN gen USING (experiment_id, round)
 LEFT JOIN ver USING (experiment_id, round)
@@ -109,6 +117,7 @@ LEFT JOIN sel USING (experiment_id, round)
 LEFT JOIN mc USING (experiment_id, round)
 LEFT JOIN srch USING (experiment_id, round)
 LEFT JOIN lv USING (experiment_id, round)
+LEFT JOIN trunc USING (experiment_id, round)
 LEFT JOIN round_plans p USING (experiment_id, round)
 ORDER BY ev.experiment_id, ev.round;
 

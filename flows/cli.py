@@ -193,6 +193,8 @@ def config_schema() -> None:
 def build_model(
     out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for the model and tokenizer.")],
     domain: Annotated[str, typer.Option(help="Domain whose prompts and solutions train the tokenizer.")] = "arith",
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Take the domain, with its options (data "
+                                                   "files), from this experiment YAML instead.")] = None,
     arch: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
     size: Annotated[str, typer.Option(help="small (~3M parameters) or tiny (~0.1M, for tests).")] = "small",
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
@@ -210,8 +212,14 @@ def build_model(
         fail(f"unknown --size {size!r}: choose one of {', '.join(SIZES)}", 2)
     try:
         cfg = replace(SIZES[size], arch=arch)
-        dom = get_domain(domain)
-    except ValueError as e:
+        if config is not None:
+            from components.config import load_config
+
+            d = load_config(config).domain
+            dom = get_domain(d.name, **d.options)
+        else:
+            dom = get_domain(domain)
+    except (ValueError, FileNotFoundError) as e:
         fail(str(e), 2)
     out = build_standin(out_dir, domain_texts(dom, n_per_level=per_level, seed=seed), cfg, seed=seed)
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]  # len(tokenizer), specials included

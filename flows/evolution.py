@@ -70,8 +70,8 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
               "value": round_(e["value"]), "n": e["n"]} for e in this_round]
     s = summary[0] if summary else {}
     table += [{"level": "-", "metric": k, "value": s.get(k), "n": None}
-              for k in ("generated", "generated_tokens", "mc_tokens", "search_tokens", "budget_tokens", "selected", "dpo_pairs",
-                        "train_pass_rate") if k in s]
+              for k in ("generated", "generated_tokens", "mc_tokens", "search_tokens", "budget_tokens", "selected",
+                        "dpo_pairs", "truncated", "train_pass_rate") if k in s]
     table += [{"level": "-", "metric": f"timing/{t['stage']}", "value": round_(t["duration_s"]), "n": None}
               for t in timings]
     key = re.sub(r"[^a-z0-9-]+", "-", f"{cfg.experiment}-round-{round}".lower()).strip("-")

@@ -99,11 +99,43 @@ def domain_of(spec: StageSpec):
     return get_domain(cfg.domain.name, **cfg.domain.options)
 
 
+def prompt_format_of(cfg: ExperimentConfig):
+    from components.models.prompts import PromptFormat
+
+    return PromptFormat(cfg.policy.prompt_format, cfg.policy.system_prompt)
+
+
 def backend_of(spec: StageSpec, model_uri: str):
+    """The config's generation backend on `model_uri`; the real-model settings (chat prompts, dtype, prompt
+    length) reach it where they differ from the defaults, which every backend takes."""
     from components.models.backends import get_backend
 
-    g = spec.cfg().generate
-    return get_backend(g.backend, model_uri, batch_size=g.batch_size, **g.backend_options)
+    cfg = spec.cfg()
+    g, pol = cfg.generate, cfg.policy
+    real = {}
+    if pol.prompt_format != "raw":
+        real["prompt_format"] = prompt_format_of(cfg)
+    if pol.dtype != "float32":
+        real["dtype"] = pol.dtype
+    if g.max_prompt_length is not None:
+        real |= {"max_prompt_length": g.max_prompt_length, "max_truncated_fraction": pol.max_truncated_fraction}
+    if real and g.backend != "hf":
+        raise ValueError(f"policy.prompt_format/dtype and generate.max_prompt_length are supported by the hf "
+                         f"backend so far, not by {g.backend!r}")
+    return get_backend(g.backend, model_uri, batch_size=g.batch_size, **real, **g.backend_options)
+
+
+def trainer_settings(cfg: ExperimentConfig, section: str, max_length: int,
+                     gradient_accumulation_steps: int = 1) -> dict[str, Any]:
+    """The SFTParams/DPOParams fields a config section shares with `policy`: prompt format, dtype, LoRA,
+    memory and lengths; errors name `section` (e.g. "train_policy.max_length")."""
+    pol = cfg.policy
+    out = {"prompt_format": prompt_format_of(cfg), "dtype": pol.dtype,
+           "lora": pol.lora.model_dump() if pol.lora else None, "gradient_checkpointing": pol.gradient_checkpointing,
+           "max_length": max_length, "max_truncated_fraction": pol.max_truncated_fraction, "setting": section}
+    if gradient_accumulation_steps != 1:
+        out["gradient_accumulation_steps"] = gradient_accumulation_steps
+    return out
 
 
 def write(out: StageOutputWriter, **tables: list[dict[str, Any]]) -> None:
@@ -181,6 +213,6 @@ def train_progress(stage: str) -> Callable[[int, int, float | None], None]:
 def copy_model(uri: str, dest: Path) -> None:
     from components.models.tiny import load_policy
 
-    model, tok = load_policy(uri)
+    model, tok = load_policy(uri, dtype="auto")  # a bf16 policy carried over stays bf16
     model.save_pretrained(dest, safe_serialization=True)
     tok.save_pretrained(dest)

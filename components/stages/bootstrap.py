@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.stages.base import (Planner, Stage, domain_of, given_model_row, log, model_id, model_row,
-                                    train_progress, write)
+                                    train_progress, trainer_settings, write)
 
 
 @dataclass
@@ -49,7 +49,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     log("bootstrap", f"SFT on {len(examples)} examples, {b.steps} steps of batch {b.batch_size}, from {init_uri}")
     metrics = train_sft(init_uri, examples, str(model_dir),
                         SFTParams(max_steps=b.steps, batch_size=b.batch_size, learning_rate=b.learning_rate,
-                                  seed=spec.seed), progress_callback=train_progress("bootstrap"))
+                                  seed=spec.seed, **trainer_settings(cfg, "bootstrap", b.max_length,
+                                                                     b.gradient_accumulation_steps)),
+                        progress_callback=train_progress("bootstrap"))
     write(out, models=[model_row(spec, "policy", model_dir, "model", None, len(inputs))], problems=problems,
           trajectories=trajs, selections=sels, model_inputs=inputs)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),

@@ -72,6 +72,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     log("generate", f"{len(batch.trajectories)} trajectories, {batch.num_tokens} tokens in {dt:.1f}s")
     metrics = {"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
                "tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
+    if hasattr(backend, "truncated_prompts"):  # prompts cut to generate.max_prompt_length (hf)
+        metrics["truncated_prompts"] = backend.truncated_prompts
     metrics |= {f"adaptive_{k}": float(v) for k, v in wave_stats.items()}
     if search_stats:
         # Discarded step draws are generation too: v_round_summary counts them in the round's budget.

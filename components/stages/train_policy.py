@@ -9,7 +9,7 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, selected,
-                                    train_progress, write)
+                                    train_progress, trainer_settings, write)
 
 
 @dataclass
@@ -64,7 +64,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         if steps > 0:
             metrics = train_sft(inp.init_uri, examples, str(sft_dir),
                                 SFTParams(max_steps=steps, batch_size=tp.batch_size, learning_rate=tp.learning_rate,
-                                          seed=spec.seed), progress_callback=train_progress("train_policy"))
+                                          seed=spec.seed, **trainer_settings(cfg, "train_policy", tp.max_length,
+                                                                             tp.gradient_accumulation_steps)),
+                                progress_callback=train_progress("train_policy"))
         else:
             copy_model(inp.init_uri, sft_dir)
             metrics = {"train_loss": float("nan"), "steps": 0}
@@ -83,7 +85,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                                 f"reference {inp.dpo_reference_model_id}")
             dpo = train_dpo(dpo_from, inp.dpo_reference_uri, pairs, str(model_dir),
                             DPOParams(max_steps=d.steps, batch_size=d.batch_size, learning_rate=d.learning_rate,
-                                      beta=d.beta, sft_weight=d.sft_weight, seed=spec.seed),
+                                      beta=d.beta, sft_weight=d.sft_weight, seed=spec.seed,
+                                      **trainer_settings(cfg, "train_policy.dpo", d.max_length)),
                             progress_callback=train_progress("train_policy"))
             metrics |= {f"dpo_{k}": v for k, v in dpo.items()}
         elif tp.method == "dpo":
