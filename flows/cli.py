@@ -195,8 +195,11 @@ def build_model(
     domain: Annotated[str, typer.Option(help="Domain whose prompts and solutions train the tokenizer.")] = "arith",
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="Take the domain, with its options (data "
                                                    "files), from this experiment YAML instead.")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override in that YAML, e.g. --set "
+                                                                    "domain.options.test_size=10.")] = None,
     arch: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
-    size: Annotated[str, typer.Option(help="small (~3M parameters) or tiny (~0.1M, for tests).")] = "small",
+    size: Annotated[str, typer.Option(help="small (~3M parameters), micro (~0.5M, micro.yaml's size) or tiny "
+                                                "(~0.1M, for tests).")] = "small",
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
     per_level: Annotated[int, typer.Option(min=1, help="Problems per level in the tokenizer's text.")] = 500,
 ) -> None:
@@ -215,7 +218,7 @@ def build_model(
         if config is not None:
             from components.config import load_config
 
-            d = load_config(config).domain
+            d = load_config(config, list(set_ or [])).domain
             dom = get_domain(d.name, **d.options)
         else:
             dom = get_domain(domain)

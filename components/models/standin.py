@@ -77,9 +77,12 @@ class StandinConfig:
             raise ValueError(f"vocab_size {self.vocab_size} is below the 256 bytes plus {len(SPECIAL)} special tokens")
 
 
-# `coevo build-model --size`: small ~3M parameters on arith, tiny ~0.1M (seconds to build, for tests).
+# `coevo build-model --size`: small ~3M parameters on arith; micro, the width and depth of configs/micro.yaml's
+# char model (the learning test on the real-model path); tiny ~0.1M (seconds to build, for tests).
 SIZES = {
     "small": StandinConfig(),
+    "micro": StandinConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
+                           max_position_embeddings=256),
     "tiny": StandinConfig(vocab_size=400, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                           intermediate_size=176, max_position_embeddings=256),
 }
