@@ -38,9 +38,9 @@ from tests.conftest import REPO, coevo_cmd
 MICRO = REPO / "configs" / "micro.yaml"
 EXPERIMENT = "fault"
 # The same in every run, so every run has the same config hash; 3 retries absorb the injected kills.
-# Shorter round training than the shipped micro config (these runs test faults, not learning); the
-# bootstrap stays as shipped, so round 1 has right answers to select and train on.
-COMMON_SET = ["stage_retries=3", "train_policy.steps=40"]
+# Shorter training than the shipped micro config (these runs test faults, not learning): half the bootstrap
+# steps still leave round 1 right answers to select and train on.
+COMMON_SET = ["stage_retries=3", "bootstrap.steps=250", "train_policy.steps=40"]
 KILL_STAGES = ("generate", "verify", "score", "filter", "train_policy", "evaluate")
 # A round-1 kill lands once the job has created its temp output dir, i.e. it is inside the stage body;
 # long stages wait further for the job to log this line (work under way), then for this delay. A job
@@ -398,7 +398,7 @@ _ROUND_FILTER = {
     "problems": "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ? AND round = ?)",
     "model_inputs": "model_id IN (SELECT model_id FROM models WHERE experiment_id = ? AND round = ?)",
 }
-for _t in ("steps", "verifications", "step_labels", "scores"):
+for _t in ("steps", "verifications", "step_labels", "scores", "trajectory_sources"):
     _ROUND_FILTER[_t] = "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ? AND round = ?)"
 
 
