@@ -7,6 +7,7 @@ and, where it has one, an oracle step labeler. Implementations: `arith.py`, `gsm
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -82,3 +83,38 @@ class Domain(Protocol):
         """Does every worked step check out against the problem (executed, not compared with a gold
         solution)? None where the domain has no step checker."""
         ...
+
+
+class FileProblems:
+    """The `Domain` methods of a dataset held in memory: `_train` and `_test` problem lists, read from files
+    by the domain (`gsm8k`, `jsonl`), with its `name` and `test_size` (held-out problems per level, None: all)."""
+
+    name: str
+    test_size: int | None
+    _train: list[Problem]
+    _test: list[Problem]
+
+    def levels(self) -> list[int]:
+        """Levels with both training and test problems."""
+        return sorted({p.level for p in self._train} & {p.level for p in self._test})
+
+    def _check_level(self, level: int) -> None:
+        if level not in self.levels():
+            raise ValueError(f"{self.name}: level {level} not in {self.levels()}")
+
+    def test_set(self, level: int) -> list[Problem]:
+        self._check_level(level)
+        return [p for p in self._test if p.level == level][: self.test_size]
+
+    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
+        """`n` training problems at `level`: unique while the pool lasts, then reshuffled repeats."""
+        self._check_level(level)
+        pool = [p for p in self._train if p.level == level]
+        rng = random.Random(f"{self.name}-sample:{seed}:{level}")  # str seeds hash with sha512: stable across processes
+        out: list[Problem] = []
+        while len(out) < n:
+            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
+        return out
+
+    def reference_solution(self, problem: Problem) -> str:
+        return problem.meta["solution"]

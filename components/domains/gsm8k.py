@@ -10,12 +10,11 @@ stripped from the worked solution. Files are read through `datasets.load_dataset
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.domains.base import Problem
+from components.domains.base import FileProblems, Problem
 
 MAX_LEVEL = 8  # longer solutions are rare (~0.2% of train) and share the top level
 _ANNOTATION = re.compile(r"<<[^>]*>>")
@@ -109,7 +108,7 @@ def verify(completions: list[str], references: list[str]) -> list[float | None]:
 
 
 @dataclass
-class Gsm8kDomain:
+class Gsm8kDomain(FileProblems):
     train_path: str | Path
     test_path: str | Path
     test_size: int | None = None  # held-out problems per level, in file order; None keeps them all
@@ -125,31 +124,6 @@ class Gsm8kDomain:
         test_prompts = {p.prompt for p in self._test}
         # Guard against overlap between the two files: a test question never becomes training data.
         self._train = [p for p in _load(Path(self.train_path), "train") if p.prompt not in test_prompts]
-
-    def levels(self) -> list[int]:
-        """Levels with both training and test problems."""
-        return sorted({p.level for p in self._train} & {p.level for p in self._test})
-
-    def _check_level(self, level: int) -> None:
-        if level not in self.levels():
-            raise ValueError(f"gsm8k: level {level} not in {self.levels()}")
-
-    def test_set(self, level: int) -> list[Problem]:
-        self._check_level(level)
-        return [p for p in self._test if p.level == level][: self.test_size]
-
-    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
-        """`n` training problems at `level`: unique while the pool lasts, then reshuffled repeats."""
-        self._check_level(level)
-        pool = [p for p in self._train if p.level == level]
-        rng = random.Random(f"gsm8k-sample:{seed}:{level}")  # str seeds hash with sha512: stable across processes
-        out: list[Problem] = []
-        while len(out) < n:
-            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
-        return out
-
-    def reference_solution(self, problem: Problem) -> str:
-        return problem.meta["solution"]
 
     split_steps = staticmethod(split_steps)
     extract_answer = staticmethod(extract_answer)

@@ -16,13 +16,12 @@ everything is level 1. Without a `test` file, a seeded split keyed by question t
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from components.domains.base import Problem, unique_problems
+from components.domains.base import FileProblems, Problem, unique_problems
 from components.domains.checkers import Checker, get_checker
 
 _LEVEL = re.compile(r"\s*(?:level\s*)?(-?\d+)\s*", re.IGNORECASE)  # 3, "3", "Level 3"
@@ -76,7 +75,7 @@ def _has_split(path: Path, split: str) -> bool:
 
 
 @dataclass
-class JsonlDomain:
+class JsonlDomain(FileProblems):
     train: str | Path
     test: str | Path | None = None  # None: a `test_split` of a DatasetDict `train` dir, else a seeded split
     question_field: str = "question"
@@ -239,32 +238,6 @@ class JsonlDomain:
         return [p for p in problems if p.problem_id not in held], [p for p in problems if p.problem_id in held]
 
     # -- the Domain protocol ------------------------------------------------------------------------
-
-    def levels(self) -> list[int]:
-        """Levels with both training and test problems."""
-        return sorted({p.level for p in self._train} & {p.level for p in self._test})
-
-    def _check_level(self, level: int) -> None:
-        if level not in self.levels():
-            raise ValueError(f"{self.name}: level {level} not in {self.levels()}")
-
-    def test_set(self, level: int) -> list[Problem]:
-        self._check_level(level)
-        return [p for p in self._test if p.level == level][: self.test_size]
-
-    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
-        """`n` training problems at `level`: unique while the pool lasts, then reshuffled repeats."""
-        self._check_level(level)
-        pool = [p for p in self._train if p.level == level]
-        rng = random.Random(f"{self.name}-sample:{seed}:{level}")  # str seeds hash with sha512: stable across processes
-        out: list[Problem] = []
-        while len(out) < n:
-            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
-        return out
-
-    def reference_solution(self, problem: Problem) -> str:
-        """The worked solution (ending in an answer line the checker reads), or just '#### <answer>\\n'."""
-        return problem.meta["solution"]
 
     def split_steps(self, completion: str) -> list[str]:
         """Non-empty (stripped) pieces between step separators, up to and including the answer step."""
