@@ -286,6 +286,9 @@ class TrainRewardConfig(_Section):
     orm: bool = Field(False, description="Also train an outcome reward model (TRL RewardTrainer) on outcome "
                                          "pairs, for ORM best-of-N.")
     orm_steps: int = Field(200, ge=1)
+    max_length: int = Field(256, ge=2, description="Tokens of prompt + steps (PRM) or prompt + completion (ORM); "
+                                                   "longer ones are counted (policy.max_truncated_fraction).")
+    lora: LoraConfig | None = Field(None, description="Train the PRM with LoRA adapters (saved merged); null: in full.")
 
     @model_validator(mode="after")
     def _lm_weight_needs_an_lm(self) -> "TrainRewardConfig":

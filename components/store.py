@@ -87,7 +87,9 @@ WITH gen AS (
     SELECT experiment_id, round,
            sum(coalesce(TRY_CAST(json_extract(metrics_json, '$.truncated') AS DOUBLE), 0)
                + coalesce(TRY_CAST(json_extract(metrics_json, '$.dpo_truncated') AS DOUBLE), 0)
-               + coalesce(TRY_CAST(json_extract(metrics_json, '$.truncated_prompts') AS DOUBLE), 0))::BIGINT AS truncated
+               + coalesce(TRY_CAST(json_extract(metrics_json, '$.truncated_prompts') AS DOUBLE), 0)
+               + coalesce(TRY_CAST(json_extract(metrics_json, '$.prm_truncated') AS DOUBLE), 0)
+               + coalesce(TRY_CAST(json_extract(metrics_json, '$.orm_truncated') AS DOUBLE), 0))::BIGINT AS truncated
     FROM stage_runs WHERE status = 'committed' GROUP BY ALL
 ), ev AS (
     SELECT experiment_id, round,

@@ -38,13 +38,18 @@ class RewardModel(Protocol):
 
 
 def load_reward_model(name: str, uri: str | None = None, *, separator: str = "\n", reference_uri: str | None = None,
-                      beta: float = 0.05) -> RewardModel:
+                      beta: float = 0.05, prompt_format: Any = None, dtype: str = "float32",
+                      max_length: int | None = None) -> RewardModel:
     """Build a reward model by config name or dotted path. `uri` is its checkpoint (the policy, for the
-    implicit PRM, scored against `reference_uri`); `separator` is the domain's step separator."""
+    implicit PRM, scored against `reference_uri`); `separator` is the domain's step separator. The built-in
+    ones read prompts rendered as the policy's (`prompt_format`), in `dtype`, cut to `max_length` tokens
+    (counted in `.truncated`); a user's model is built with `uri` and `separator` only."""
     if name == "implicit":
-        return locate(REWARD_MODELS[name])(uri, reference_uri, beta=beta, separator=separator)
+        return locate(REWARD_MODELS[name])(uri, reference_uri, beta=beta, separator=separator,
+                                           prompt_format=prompt_format)
     if name in REWARD_MODELS:
-        return locate(REWARD_MODELS[name])(uri, separator=separator)
+        return locate(REWARD_MODELS[name])(uri, separator=separator, prompt_format=prompt_format, dtype=dtype,
+                                           max_length=max_length)
     if ":" not in name:
         raise ValueError(f"unknown reward model {name!r}: known ones are {sorted(REWARD_MODELS)}, or give a dotted "
                          "path 'pkg.module:Class'")

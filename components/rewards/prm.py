@@ -22,16 +22,32 @@ and every other position is -100. `trl.experimental.prm.PRMTrainer` was removed 
 plain `transformers.Trainer` trains it: `LlamaForTokenClassification`'s own cross-entropy ignores -100,
 which is exactly that trainer's loss. Checkpoints are safetensors only; a likelihood PRM is a plain
 `LlamaForCausalLM` checkpoint whose config carries `prm_head` and `prm_calibration` ([scale, bias]).
+
+A real model: the PRM reads a trajectory as the policy wrote it. `prompt_format="chat"` renders the
+prompt with the tokenizer's chat template (`models.prompts.render_prompt`, as generation and SFT do; give
+the scorer the same format), and the whole text is tokenized once, special tokens added as the policy's
+own call adds them, so a BPE token that spans a step's end (a run of symbols takes the newline with it)
+is the policy's token too (`encode_steps`). Trajectories over `max_length` tokens are counted before
+training (`training.common.check_truncation`, naming `train_reward.max_length`); the scorer scores the
+steps that fit and counts the cut trajectories in `truncated`. `dtype` loads, trains and scores in
+float32 (the default), bfloat16 or the checkpoint's own (`auto`); `lora` trains LoRA adapters (peft;
+the classifier's head in full, as `modules_to_save`) and saves them merged into a plain checkpoint.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
-from dataclasses import dataclass
-from typing import Any
+import warnings
+from bisect import bisect_right
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
 
+from components.models.prompts import RAW, PromptFormat, check_prompt_format, render_prompt
 from components.rewards import device, losses, pad_right, save_checkpoint, token_logprobs, trainer_kwargs
+from components.training.common import check_dtype, check_loaded_dtype, check_truncation, torch_dtype
+from components.training.lora import LoraParams, is_adapter_dir, load_causal_lm, lora_config
 
 STEP_SEPARATOR = "\n"  # TRL's PRM default, and arith's and gsm8k's (a domain names its own: `step_separator`)
 LABELS = {0: "bad", 1: "good"}
@@ -50,41 +66,91 @@ class PRMParams:
     warmup_ratio: float = 0.05          # of max_steps
     weight_decay: float = 0.0
     logging_steps: int = 25
-    max_length: int = 256               # tokens; longer trajectories are cut, losing their last steps' labels
+    max_length: int | None = 256        # tokens; longer trajectories are cut, losing their last steps' labels
     head: str = "classifier"            # or "likelihood" (module docstring)
     lm_weight: float = 0.0              # weight of the language-model loss on all-good trajectories
     separator: str = STEP_SEPARATOR     # the domain's step separator, after each step
+    max_truncated_fraction: float = 0.0  # the share of trajectories allowed over max_length before TruncationError
+    setting: str = "train_reward"       # the config section that errors name, e.g. "train_reward.max_length"
+    prompt_format: PromptFormat = RAW   # raw, or chat: prompts rendered as the policy saw them (the scorer's too)
+    dtype: str = "float32"              # weights trained and saved: float32, bfloat16, float16 (CUDA, LoRA), auto
+    lora: LoraParams | None = None      # train LoRA adapters (the classifier head in full); saved merged
 
     def __post_init__(self) -> None:
+        self.prompt_format = PromptFormat.of(self.prompt_format)
+        self.lora = LoraParams.of(self.lora)
         if self.head not in HEADS:
             raise ValueError(f"PRMParams.head must be one of {HEADS}, got {self.head!r}")
         if self.lm_weight < 0:
             raise ValueError(f"PRMParams.lm_weight must be >= 0, got {self.lm_weight}")
-        for name in ("max_steps", "batch_size", "max_length", "logging_steps"):
+        for name in ("max_steps", "batch_size", "logging_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"PRMParams.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(f"PRMParams.max_length must be >= 1 or None, got {self.max_length}")
         if self.learning_rate <= 0:
             raise ValueError(f"PRMParams.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.max_truncated_fraction <= 1:
+            raise ValueError(f"PRMParams.max_truncated_fraction must be in [0, 1], got {self.max_truncated_fraction}")
+        check_dtype(self.dtype, lora=self.lora is not None, use_cpu=None, where="PRMParams")
+        if self.lora is not None and not self.lora.merge:
+            # A PRM's head and calibration live beside the weights (config.json, the head's own tensors): an
+            # adapter folder would carry neither, and every reader would need peft.
+            raise ValueError("PRMParams.lora.merge=False: a reward model is saved merged, as a plain checkpoint; "
+                             "set lora.merge=True")
+
+
+class StepTokens(NamedTuple):
+    ids: list[int]       # the whole text, tokenized once
+    ends: list[int]      # per step, the token holding its last character (its separator's, if it has one)
+    prompt_len: int      # tokens wholly inside the prompt (a leading BOS included)
+
+
+def encode_steps(tok: Any, prompt: str, steps: list[str], separator: str = STEP_SEPARATOR) -> StepTokens:
+    """`prompt` + (step + separator)* tokenized as one text, as the policy's own tokenizer call reads it
+    (special tokens added), and where each step ends, found from the character offsets.
+
+    Tokenizing each step on its own, as TRL's PRM format does, is right only for a tokenizer that never
+    merges across a step's end: a byte-level BPE merges a run of symbols with the newline after it ("=\\n"),
+    and the scorer would then read tokens the policy never wrote. Two steps share an end token only where
+    one token covers a whole step and its separator.
+
+    >>> from components.models.tokenizer import build_char_tokenizer
+    >>> encode_steps(build_char_tokenizer(), "1+2\\n", ["1+2=3", "#### 3"])[1:]
+    ([9, 16], 4)
+    """
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"the PRM finds step ends from token offsets, which {type(tok).__name__} (a slow "
+                         "tokenizer) does not give; load the model's fast tokenizer (tokenizer.json)")
+    text, last = prompt, []
+    for step in steps:
+        text += step + separator
+        if len(text) == len(prompt) or (last and len(text) - 1 == last[-1]):
+            raise ValueError(f"step {len(last)} is empty and the separator {separator!r} too: no character to "
+                             "score it at")
+        last.append(len(text) - 1)
+    enc = tok(text, add_special_tokens=True, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    # Special tokens the tokenizer adds (BOS) span no character; every other token's start, in order.
+    spans = [(i, s) for i, (s, e) in enumerate(enc["offset_mapping"]) if e > s]
+    starts = [s for _, s in spans]
+    # A step ends at the last token starting at or before its last character: the token covering it (the last
+    # byte's, for a character split over byte tokens).
+    ends = [spans[max(bisect_right(starts, c) - 1, 0)][0] for c in last]
+    prompt_len = next((i for i, (s, e) in enumerate(enc["offset_mapping"]) if e > max(s, len(prompt))), len(ids))
+    return StepTokens(ids, ends, prompt_len)
 
 
 def tokenize_steps(tok: Any, prompt: str, steps: list[str], separator: str = STEP_SEPARATOR) -> tuple[list[int], list[int]]:
-    """Token ids of prompt + (step + separator)*, and the index of each step's separator token (its last).
-
-    No special tokens: coevo's backends and SFT feed the policy plain text, so the backbone reads a
-    trajectory the way it learned it. Each step is tokenised on its own, as TRL's PRM format does.
+    """Token ids of prompt + (step + separator)*, and the index of each step's separator token (its last):
+    `encode_steps` without the prompt length.
 
     >>> from components.models.tokenizer import build_char_tokenizer
     >>> ids, ends = tokenize_steps(build_char_tokenizer(), "1+2\\n", ["1+2=3", "#### 3"])
     >>> len(ids), ends
     (17, [9, 16])
     """
-    prompt_ids, *step_ids, sep = tok([prompt, *steps, separator], add_special_tokens=False)["input_ids"]
-    if not sep:
-        raise ValueError(f"tokenizer maps the step separator {separator!r} to no token")
-    ids, ends = list(prompt_ids), []
-    for s in step_ids:
-        ids += s + sep
-        ends.append(len(ids) - 1)
+    ids, ends, _ = encode_steps(tok, prompt, steps, separator)
     return ids, ends
 
 
@@ -99,11 +165,15 @@ def _label(value: Any) -> int:
 
 def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str, params: PRMParams,
               init_from_prm: str | None = None) -> dict[str, Any]:
-    """Train a PRM from a policy backbone (new head), or warm-start from the previous round's PRM."""
+    """Train a PRM from a policy backbone (new head), or warm-start from the previous round's PRM.
+
+    Returns the losses, steps, runtime_s, examples, labelled_steps, good_fraction, init, a likelihood
+    head's calibration_scale / calibration_bias, and truncated / truncated_fraction (trajectories over
+    max_length, counted before training).
+    """
     import torch
     from datasets import Dataset
-    from transformers import (AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
-                              DataCollatorForTokenClassification, Trainer, TrainingArguments, set_seed)
+    from transformers import AutoTokenizer, DataCollatorForTokenClassification, Trainer, TrainingArguments, set_seed
 
     if not examples:
         raise ValueError("train_prm: no examples")
@@ -112,20 +182,27 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
     if init_from_prm and prm_head(init_from_prm) != params.head:
         raise ValueError(f"train_prm: {init_from_prm} is a {prm_head(init_from_prm)!r} PRM; it cannot warm-start "
                          f"a {params.head!r} one (set train_reward.init=policy)")
+    use_cpu = device() == "cpu"  # as trainer_kwargs decides it
+    check_dtype(params.dtype, lora=params.lora is not None, use_cpu=use_cpu, where="PRMParams")
     source = init_from_prm or base_model_path
     tok = AutoTokenizer.from_pretrained(source)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
-    rows, n_pos, n_lab = [], 0, 0
+    fmt = params.prompt_format
+    check_prompt_format(tok, fmt, source)
+    limit = params.max_length
+    rows, lengths, n_pos, n_lab = [], [], 0, 0
     for e in examples:
         if len(e["completions"]) != len(e["labels"]):
             raise ValueError(f"train_prm: {len(e['completions'])} steps but {len(e['labels'])} labels")
-        ids, ends = tokenize_steps(tok, e["prompt"], e["completions"], params.separator)
-        targets = [_label(v) if end < params.max_length else -100 for end, v in zip(ends, e["labels"])]
+        ids, ends, prompt_len = encode_steps(tok, render_prompt(tok, e["prompt"], fmt), e["completions"],
+                                             params.separator)
+        lengths.append(len(ids))
+        targets = [_label(v) if limit is None or end < limit else -100 for end, v in zip(ends, e["labels"])]
         n_pos += sum(v == 1 for v in targets)
         n_lab += sum(v != -100 for v in targets)
-        ids = ids[: params.max_length]
+        ids = ids[:limit]
         if params.head == "classifier":
             labels = [-100] * len(ids)
             for end, value in zip(ends, targets):
@@ -134,25 +211,30 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
             rows.append({"input_ids": ids, "labels": labels})
         else:
             all_good = all(v is True for v in e["labels"])
-            prompt_len = _prompt_len(tok, e["prompt"])
             rows.append({"input_ids": ids, "step_of_token": _step_of_token(prompt_len, ends, len(ids)),
                          "step_labels": targets, "lm_from": prompt_len if all_good else len(ids)})
+    truncation = check_truncation(lengths, limit, params.max_truncated_fraction, params.setting, noun="trajectories")
 
-    set_seed(params.seed)
-    kwargs = trainer_kwargs(params, "")
-    if params.head == "classifier":
-        model = AutoModelForTokenClassification.from_pretrained(
-            source, num_labels=2, id2label=LABELS, label2id={v: k for k, v in LABELS.items()}, dtype=torch.float32)
-        trainer_cls, collator, extra = Trainer, DataCollatorForTokenClassification(tok), {}
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-        scale, bias = getattr(model.config, "prm_calibration", None) or INITIAL_CALIBRATION
-        model.prm_calibration = torch.nn.Parameter(torch.tensor([scale, bias], dtype=torch.float32))
-        trainer_cls, collator = _trainer_class(), _likelihood_collator(tok.pad_token_id)
-        extra = {"lm_weight": params.lm_weight}
-        kwargs["remove_unused_columns"] = False  # the collator's extra columns are not forward() arguments
-    model.config.pad_token_id = tok.pad_token_id
+    dtype = torch_dtype(params.dtype)
     with tempfile.TemporaryDirectory() as scratch:  # Trainer wants an output_dir; nothing of it is kept
+        set_seed(params.seed)
+        kwargs = trainer_kwargs(params, "")
+        if params.head == "classifier":
+            model = _token_classifier(source, dtype, Path(scratch) / "base")
+            trainer_cls, collator, extra = Trainer, DataCollatorForTokenClassification(tok), {}
+        else:
+            model = load_causal_lm(source, dtype)  # an adapter folder: its base, the adapter merged in
+            trainer_cls, collator = _trainer_class(), _likelihood_collator(tok.pad_token_id)
+            extra = {"lm_weight": params.lm_weight}
+            kwargs["remove_unused_columns"] = False  # the collator's extra columns are not forward() arguments
+        check_loaded_dtype(model, lora=params.lora is not None, use_cpu=use_cpu, where="PRMParams")
+        kwargs["fp16"] = model.dtype == torch.float16  # fp16 weights (LoRA only) need the Trainer's loss scaler
+        model.config.pad_token_id = tok.pad_token_id
+        if params.lora:
+            model = _with_lora(model, params)
+        if params.head == "likelihood":
+            scale, bias = getattr(model.config, "prm_calibration", None) or INITIAL_CALIBRATION
+            model.prm_calibration = torch.nn.Parameter(torch.tensor([scale, bias], dtype=torch.float32))
         trainer = trainer_cls(model=model, args=TrainingArguments(**(kwargs | {"output_dir": scratch})),
                               train_dataset=Dataset.from_list(rows), data_collator=collator, **extra)
         t0 = time.perf_counter()
@@ -161,10 +243,14 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
     model = trainer.model
     calibration = {}
     if params.head == "likelihood":  # the two scalars live in the config, so the checkpoint is a plain causal LM
-        model.config.prm_head = "likelihood"
-        model.config.prm_calibration = [round(float(v), 6) for v in model.prm_calibration.detach()]
-        calibration = dict(zip(("scale", "bias"), model.config.prm_calibration))
+        values = [round(float(v), 6) for v in model.prm_calibration.detach()]
         del model.prm_calibration
+    if params.lora:
+        model = model.merge_and_unload()
+    if params.head == "likelihood":
+        model.config.prm_head = "likelihood"
+        model.config.prm_calibration = values
+        calibration = dict(zip(("scale", "bias"), values))
     save_checkpoint(model, tok, out_dir)
     hist = losses(trainer.state.log_history)
     return {
@@ -172,13 +258,54 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
         "final_loss": hist[-1] if hist else float("nan"), "steps": int(out.global_step), "runtime_s": runtime,
         "examples": len(rows), "labelled_steps": n_lab, "good_fraction": n_pos / max(n_lab, 1),
         "init": "prm" if init_from_prm else "policy", **{f"calibration_{k}": v for k, v in calibration.items()},
+        **truncation,
     }
+
+
+def full_checkpoint(path: str, dtype: Any, scratch: Path) -> str:
+    """`path`, or for a LoRA adapter folder (a policy saved with lora.merge=False) its base with the adapter merged
+    in, written to `scratch`: transformers would put a classifier head on the base with the adapter unmerged."""
+    if not is_adapter_dir(path):
+        return path
+    load_causal_lm(path, dtype).save_pretrained(scratch)
+    return str(scratch)
+
+
+def _token_classifier(source: str, dtype: Any, scratch: Path):
+    """A two-label token-classification model on `source`'s backbone (a new head), or a classifier PRM as it is."""
+    from transformers import AutoModelForTokenClassification
+
+    return AutoModelForTokenClassification.from_pretrained(
+        full_checkpoint(source, dtype, scratch), num_labels=2, id2label=LABELS,
+        label2id={v: k for k, v in LABELS.items()}, dtype=dtype)
+
+
+def _with_lora(model: Any, params: PRMParams):
+    """The model with LoRA adapters (peft); a classifier's head is new, so it trains in full (`modules_to_save`)."""
+    from peft import get_peft_model
+
+    lora, task = params.lora, "CAUSAL_LM"
+    if params.head == "classifier":
+        task, head = "TOKEN_CLS", _head_name(model)
+        if head not in lora.modules_to_save:
+            lora = replace(lora, modules_to_save=(*lora.modules_to_save, head))
+    config = lora_config(lora, model, f"{params.setting}.lora", task_type=task)
+    with warnings.catch_warnings():  # peft reads transformers' renamed `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
+def _head_name(model: Any) -> str:
+    """The classification head's module name ("score" for transformers' generic heads)."""
+    for name in ("score", "classifier"):
+        if hasattr(model, name):
+            return name
+    raise ValueError(f"{type(model).__name__} has no `score` or `classifier` head to train beside LoRA")
 
 
 def prm_head(path: str) -> str:
     """Which head a saved PRM has: `likelihood` if its config says so, else `classifier`."""
     import json
-    from pathlib import Path
 
     return json.loads((Path(path) / "config.json").read_text()).get("prm_head", "classifier")
 
@@ -195,10 +322,6 @@ def _step_of_token(prompt_len: int, ends: list[int], length: int) -> list[int]:
         out[start:stop] = [k] * max(0, stop - start)
         start = end + 1
     return out
-
-
-def _prompt_len(tok: Any, prompt: str) -> int:
-    return len(tok(prompt, add_special_tokens=False)["input_ids"])  # as tokenize_steps tokenises it
 
 
 def _likelihood_step_logits(calibration: Any, logits: Any, input_ids: Any, step_of_token: Any, n_steps: int) -> Any:
@@ -279,27 +402,39 @@ def _trainer_class():
 
 class PRMScorer:
     """`score_steps`: P(step is good) for every step, one forward pass per trajectory (either head).
-    A `components.rewards.RewardModel`."""
+    A `components.rewards.RewardModel`.
+
+    `prompt_format` must be the one the PRM was trained with (and the policy sampled with). `max_length`
+    (tokens; None: no limit) cuts a longer trajectory: the steps that end within it are scored, the rest
+    get no score (its list is shorter than its steps), and each cut trajectory adds 1 to `truncated`.
+    """
 
     name = "prm"
     granularity = "step"
 
-    def __init__(self, path: str, device_name: str | None = None, separator: str = STEP_SEPARATOR):
+    def __init__(self, path: str, device_name: str | None = None, separator: str = STEP_SEPARATOR,
+                 prompt_format: PromptFormat | dict[str, Any] | str | None = None, dtype: str = "float32",
+                 max_length: int | None = None):
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"PRMScorer.max_length must be >= 1 or None, got {max_length}")
         self.torch = torch
         self.device = device_name or device()
         self.tok = AutoTokenizer.from_pretrained(path)
+        self.prompt_format = PromptFormat.of(prompt_format)
+        check_prompt_format(self.tok, self.prompt_format, path)
         self.head = prm_head(path)
         cls = AutoModelForCausalLM if self.head == "likelihood" else AutoModelForTokenClassification
-        self.model = cls.from_pretrained(path, dtype=torch.float32).to(self.device).eval()
+        self.model = cls.from_pretrained(path, dtype=torch_dtype(dtype)).to(self.device).eval()
         if self.head == "likelihood":
             self.calibration = torch.tensor(self.model.config.prm_calibration, dtype=torch.float32, device=self.device)
         else:
             self.good = self.model.config.label2id.get("good", 1)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0  # masked: any id works
         self.separator = separator
+        self.max_length, self.truncated = max_length, 0
 
     def score(self, prompts: list[str], completions: list[str], steps: list[list[str]]) -> list[list[float]]:
         return self.score_steps(prompts, steps)
@@ -307,27 +442,36 @@ class PRMScorer:
     def score_steps(self, prompts: list[str], steps: list[list[str]], batch_size: int = 256) -> list[list[float]]:
         if len(prompts) != len(steps):
             raise ValueError(f"score_steps: {len(prompts)} prompts but {len(steps)} step lists")
-        enc = [tokenize_steps(self.tok, p, s, self.separator) for p, s in zip(prompts, steps)]
-        # Sorted by length so a batch pads little; trajectories without steps need no forward pass.
-        order = sorted((i for i, (_, ends) in enumerate(enc) if ends), key=lambda i: len(enc[i][0]))
+        enc = [self._fit(encode_steps(self.tok, render_prompt(self.tok, p, self.prompt_format), s, self.separator))
+               for p, s in zip(prompts, steps)]
+        # Sorted by length so a batch pads little; trajectories without steps (that fit) need no forward pass.
+        order = sorted((i for i, e in enumerate(enc) if e.ends), key=lambda i: len(enc[i].ids))
         out: list[list[float]] = [[] for _ in prompts]
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
-            ids, mask = pad_right([enc[i][0] for i in idx], self.pad_id)
+            ids, mask = pad_right([enc[i].ids for i in idx], self.pad_id)
             ids, mask = ids.to(self.device), mask.to(self.device)
             with self.torch.inference_mode():
                 logits = self.model(input_ids=ids, attention_mask=mask).logits
                 if self.head == "likelihood":
-                    seg, _ = pad_right([_step_of_token(_prompt_len(self.tok, prompts[i]), enc[i][1], len(enc[i][0]))
+                    seg, _ = pad_right([_step_of_token(enc[i].prompt_len, enc[i].ends, len(enc[i].ids))
                                         for i in idx], -1)
                     probs = _likelihood_step_logits(self.calibration, logits, ids, seg.to(self.device),
-                                                    max(len(enc[i][1]) for i in idx)).sigmoid().cpu()
+                                                    max(len(enc[i].ends) for i in idx)).sigmoid().cpu()
                 else:
                     probs = logits.float().softmax(-1)[..., self.good].cpu()
             for row, i in enumerate(idx):
-                out[i] = probs[row, : len(enc[i][1])].tolist() if self.head == "likelihood" \
-                    else probs[row, enc[i][1]].tolist()
+                out[i] = probs[row, : len(enc[i].ends)].tolist() if self.head == "likelihood" \
+                    else probs[row, enc[i].ends].tolist()
         return out
+
+    def _fit(self, enc: StepTokens) -> StepTokens:
+        """A trajectory cut to max_length tokens, keeping the steps that end within it; counted in `truncated`."""
+        if self.max_length is None or len(enc.ids) <= self.max_length:
+            return enc
+        self.truncated += 1
+        return StepTokens(enc.ids[: self.max_length], [e for e in enc.ends if e < self.max_length],
+                          min(enc.prompt_len, self.max_length))
 
 
 def aggregate(step_scores: list[float]) -> dict[str, float]:

@@ -160,11 +160,21 @@ def problems_by_id(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def reward_scores(spec: StageSpec, name: str, uri: str | None, model_id: str | None, trajs: list[dict[str, Any]],
                   steps: dict[str, list[str]], reference_uri: str | None = None) -> list[dict[str, Any]]:
     """`scores` rows of one reward model over `trajs`, built with the domain's step separator."""
-    from components.rewards import load_reward_model, score_rows
+    from components.rewards import score_rows
 
-    rm = load_reward_model(name, uri, separator=domain_of(spec).step_separator, reference_uri=reference_uri,
-                           beta=spec.cfg().score.implicit_beta)
+    rm = reward_model_of(spec, name, uri, reference_uri=reference_uri)
     return score_rows(rm, model_id, trajs, steps)
+
+
+def reward_model_of(spec: StageSpec, name: str, uri: str | None, reference_uri: str | None = None,
+                    max_length: int | None = None):
+    """The config's reward model `name` at `uri`, reading prompts as the policy renders them."""
+    from components.rewards import load_reward_model
+
+    cfg = spec.cfg()
+    return load_reward_model(name, uri, separator=domain_of(spec).step_separator, reference_uri=reference_uri,
+                             beta=cfg.score.implicit_beta, prompt_format=prompt_format_of(cfg),
+                             dtype=cfg.policy.dtype, max_length=max_length)
 
 
 def model_id(spec: StageSpec, role: str = "policy") -> str:

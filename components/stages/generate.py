@@ -10,7 +10,7 @@ from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.seeding import derive_seed
 from components.domains.base import unique_problems
-from components.stages.base import Planner, PlanningError, Stage, backend_of, domain_of, log, write
+from components.stages.base import Planner, PlanningError, Stage, backend_of, domain_of, log, reward_model_of, write
 
 
 @dataclass
@@ -85,11 +85,10 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str, float]):
     """A `sample` function for `generate`: each step drawn until the previous round's PRM accepts it."""
-    from components.rewards import load_reward_model
     from components.search import prm_step_search
 
     s = spec.cfg().generate.search
-    scorer = load_reward_model("prm", inp.search_prm_uri, separator=domain.step_separator)
+    scorer = reward_model_of(spec, "prm", inp.search_prm_uri)  # no max_length: each new step is scored
     log("generate", f"PRM-guided steps ({inp.search_prm_id}): up to {s.max_tries} draws "
                     f"per step, keep at P(good) >= {s.threshold}")
 

@@ -9,8 +9,8 @@ from typing import Any
 from components.config import ExperimentConfig
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, domain_of, log, model_input, model_row, selected,
-                                    steps_by_trajectory, write)
+from components.stages.base import (Planner, Stage, domain_of, log, model_input, model_row, prompt_format_of,
+                                    selected, steps_by_trajectory, write)
 
 
 @dataclass
@@ -95,7 +95,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     prm_metrics = train_prm(inp.policy_uri, examples, str(model_dir),
                             PRMParams(max_steps=tr.steps, batch_size=tr.batch_size, learning_rate=tr.learning_rate,
                                       seed=spec.seed, head=tr.head, lm_weight=tr.lm_weight,
-                                      separator=domain.step_separator), init_from_prm=inp.init_prm_uri)
+                                      separator=domain.step_separator, **reward_settings(cfg),
+                                      lora=tr.lora.model_dump() if tr.lora else None), init_from_prm=inp.init_prm_uri)
     log("train_reward", f"PRM loss {prm_metrics['first_loss']:.4f} -> {prm_metrics['final_loss']:.4f} "
                         f"in {prm_metrics['runtime_s']:.1f}s")
     models = [model_row(spec, "prm", model_dir, "prm", inp.parent_model_id, len(examples))]
@@ -108,7 +109,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
         orm_dir = out.artifact_dir("orm")
         orm_metrics = train_orm(inp.policy_uri, outcome_examples, str(orm_dir),
-                                ORMParams(max_steps=tr.orm_steps, seed=spec.seed))
+                                ORMParams(max_steps=tr.orm_steps, seed=spec.seed, **reward_settings(cfg)))
         log("train_reward", f"ORM on {orm_metrics['pairs']} pairs: loss {orm_metrics['final_loss']:.4f}")
         models.append(model_row(spec, "orm", orm_dir, "orm", None, len(outcome_examples)))
         inputs += [model_input(spec, "orm", e["trajectory_id"], e["round"]) for e in outcome_examples]
@@ -117,5 +118,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def reward_settings(cfg) -> dict:
+    """What PRMParams and ORMParams share with the policy: its prompt rendering, dtype and length rules."""
+    return {"prompt_format": prompt_format_of(cfg), "dtype": cfg.policy.dtype, "max_length": cfg.train_reward.max_length,
+            "max_truncated_fraction": cfg.policy.max_truncated_fraction, "setting": "train_reward"}
+
+
 STAGE = Stage(name="train_reward", section="train_reward", gpu=True, reads=("generate", "verify", "score", "bootstrap"),
               writes=("models", "model_inputs", "selections"), inputs=Inputs, plan=plan, run=run)
+
