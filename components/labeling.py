@@ -206,9 +206,10 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
     >>> [(e["prompt"], e["labels"]) for e in ex], [(d["trajectory_id"], d["selected"], d["reason"]) for d in dec]
     ([('p', [True, False])], [('a', True, 'mc labels'), ('b', False, 'consensus: mc first error -1, prm 1')])
     """
-    if source not in ("mc_hard", "mc_soft"):
-        raise ValueError(f"prm_examples: source must be mc_hard or mc_soft, got {source!r}")
-    threshold = 0.5 if source == "mc_hard" else soft_threshold
+    if source not in ("mc_hard", "mc_soft", "given"):
+        raise ValueError(f"prm_examples: source must be mc_hard, mc_soft or given (imported), got {source!r}")
+    threshold = soft_threshold if source == "mc_soft" else 0.5
+    kind = "given" if source == "given" else "mc"
     examples, decisions, seen = [], [], set()
     for it in items:
         tid, per_step = it["trajectory_id"], labels.get(it["trajectory_id"], {})
@@ -217,12 +218,12 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
             continue
         ok = [None if v is None else v >= threshold for v in values]
         partial = None in ok
-        reason, keep = "mc labels (final step only)" if partial else "mc labels", True
+        reason, keep = f"{kind} labels (final step only)" if partial else f"{kind} labels", True
         prior = (prior_scores or {}).get(tid)
         if consensus and prior is not None and not partial:
             mc_err, prm_err = first_error(ok), first_error([s >= 0.5 for s in prior])
             if mc_err != prm_err:
-                reason, keep = f"consensus: mc first error {mc_err}, prm {prm_err}", False
+                reason, keep = f"consensus: {kind} first error {mc_err}, prm {prm_err}", False
         key = (it["prompt"], tuple(it["steps"]))
         if keep and key in seen:
             reason, keep = "duplicate", False

@@ -124,7 +124,7 @@ def run_round(cfg: ExperimentConfig, round: int, tracker: Tracker, only: list[st
     if round > 0:
         _plan_round(cfg, store, round)
     dirty = False
-    for stage in get_recipe(cfg.recipe).round_stages(round):
+    for stage in get_recipe(cfg.recipe).round_stages(round, cfg):
         if only is not None and stage not in only:
             continue
         committed = store.committed_run(cfg.experiment, round, stage)
@@ -203,7 +203,7 @@ def run_stage(experiment: str, round: int, stage: str, downstream: bool = False,
     if not config_path.is_file():
         raise ValueError(f"unknown experiment {experiment!r}: no {config_path}")
     cfg = load_config(config_path)
-    stages = get_recipe(cfg.recipe).round_stages(round) if 0 <= round <= cfg.rounds else []
+    stages = get_recipe(cfg.recipe).round_stages(round, cfg) if 0 <= round <= cfg.rounds else []
     if not stages:
         raise ValueError(f"experiment {experiment} has rounds 0..{cfg.rounds}; round {round} does not exist")
     if stage not in stages:

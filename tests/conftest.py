@@ -173,7 +173,7 @@ def assert_plans_read_what_they_declare(cfg, store, tmp_path: Path) -> None:
     from components.stages import STAGES, build_spec
 
     for r in range(cfg.rounds + 1):
-        for stage in get_recipe(cfg.recipe).round_stages(r):
+        for stage in get_recipe(cfg.recipe).round_stages(r, cfg):
             spec = build_spec(cfg, store, r, stage, attempt=99, code_version=None, out_dir=tmp_path / f"{r}-{stage}")
             read = {i.stage for i in spec.inputs}
             assert read <= set(STAGES[stage].reads), (r, stage, read)

@@ -39,8 +39,13 @@ class Recipe:
     # saying what to set where the config contradicts the recipe.
     check: Callable[[Any], None] = _accept
 
-    def round_stages(self, round: int) -> list[str]:
-        return list(self.bootstrap if round == 0 else self.stages)
+    def round_stages(self, round: int, cfg: Any = None) -> list[str]:
+        """The stages of `round`, in order. With the config given: an experiment with `imports` runs the
+        `import` stage in round 0 too, after the bootstrap, so its trajectories join round 0's data."""
+        stages = list(self.bootstrap if round == 0 else self.stages)
+        if round == 0 and cfg is not None and cfg.imports and "import" not in stages:
+            stages.insert(stages.index("bootstrap") + 1 if "bootstrap" in stages else 0, "import")
+        return stages
 
 
 def get_recipe(name: str) -> Recipe:

@@ -49,7 +49,7 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
     from components.recipes import get_recipe
 
     st = get_stage(stage)
-    planner = Planner(cfg, store, round, get_recipe(cfg.recipe).round_stages(round))
+    planner = Planner(cfg, store, round, get_recipe(cfg.recipe).round_stages(round, cfg))
     inputs = st.plan(planner)
     return StageSpec(
         experiment=cfg.experiment, round=round, stage=stage, attempt=attempt,

@@ -58,6 +58,9 @@ class Planner:
         """Let the job read `stage`'s committed output of `round` (this round by default)."""
         self.refs.append(input_ref(self.store, self.cfg.experiment, self.round if round is None else round, stage))
 
+    def committed(self, stage: str, round: int) -> bool:
+        return self.store.committed_run(self.cfg.experiment, round, stage) is not None
+
     def model(self, round: int, role: str = "policy") -> dict[str, Any]:
         m = self.store.committed_model(self.cfg.experiment, round, role)
         if m is None:
@@ -205,12 +208,20 @@ def model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: in
     return {"model_id": model_id(spec, role), "trajectory_id": trajectory_id, "source_round": source_round, "use": use}
 
 
-def selected(spec: StageSpec, round: int) -> dict[str, dict[str, Any]]:
-    """Trajectories selected for policy SFT in `round` (round 0: the demonstrations `bootstrap` stored)."""
-    src_t, src_s = ("bootstrap", "bootstrap") if round == 0 else ("generate", "filter")
-    trajs = {t["trajectory_id"]: t for t in spec.rows(src_t, "trajectories", round=round)}
-    return {s["trajectory_id"]: trajs[s["trajectory_id"]] for s in spec.rows(src_s, "selections", round=round)
-            if s["selected"] and s["purpose"] == "policy_sft"}
+def selected(spec: StageSpec, round: int, demos_only: bool = False) -> dict[str, dict[str, Any]]:
+    """Trajectories selected for policy SFT in `round`. Round 0: the demonstrations `bootstrap` stored, and
+    the verified-correct trajectories `import` stored where the job may read them (unless `demos_only`)."""
+    if round == 0:
+        sources = [("bootstrap", "bootstrap")] + ([("import", "import")] if not demos_only and spec.has("import", 0)
+                                                  else [])
+    else:
+        sources = [("generate", "filter")]
+    out: dict[str, dict[str, Any]] = {}
+    for src_t, src_s in sources:
+        trajs = {t["trajectory_id"]: t for t in spec.rows(src_t, "trajectories", round=round)}
+        out |= {s["trajectory_id"]: trajs[s["trajectory_id"]] for s in spec.rows(src_s, "selections", round=round)
+                if s["selected"] and s["purpose"] == "policy_sft"}
+    return out
 
 
 def train_progress(stage: str) -> Callable[[int, int, float | None], None]:

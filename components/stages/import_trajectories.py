@@ -1,6 +1,8 @@
-"""`import` (recipe `import`, round 0): a user's existing trajectories into the store, each re-verified by
-the domain, with its source file, row and model in `trajectory_sources` and the agreement between its
-given label and the verifier in the stage's metrics.
+"""`import` (round 0): a user's existing trajectories into the store, each re-verified by the domain, with
+its source file, row and model in `trajectory_sources` and the agreement between its given label and the
+verifier in the stage's metrics. It runs as recipe `import` (`coevo import`: an experiment that only holds
+them), or in round 0 of any experiment whose config lists `imports`: there the verified-correct ones join
+the policy's SFT replay pool, given step labels train the PRM, and the verdicts train the ORM.
 
     coevo import ../shared/data/gsm8k/example_model_solutions.jsonl --config configs/gsm8k.yaml \\
         --experiment gsm8k-solutions --models 6b_finetuning,175b_verification --purpose eval
@@ -53,12 +55,20 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if purpose == "train" and held_out:
         raise ValueError(f"imports: {held_out} of {result.overall.imported} trajectories are on the domain's held-out "
                          "(test) problems; training on them would leak the evaluation: import them with purpose: eval")
-    write(out, **result.tables(), trajectory_sources=result.lineage)
+    right = {v["trajectory_id"] for v in result.verifications if v["correct"]}
+    # For training (purpose train): the verified-correct ones join round 0's SFT data, as demos do.
+    selections = [] if purpose != "train" else [
+        {"trajectory_id": t["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
+         "purpose": "policy_sft", "selected": t["trajectory_id"] in right, "rank": None, "pair_id": None,
+         "reason": "imported, verified correct" if t["trajectory_id"] in right else "imported, not verified correct"}
+        for t in result.trajectories]
+    write(out, **result.tables(), trajectory_sources=result.lineage, selections=selections)
     for line in result.summary().splitlines():
         log("import", line)
     return {k: float(v) for k, v in result.metrics().items()}
 
 
 STAGE = Stage(name="import", section="imports", gpu=False, reads=(),
-              writes=("problems", "trajectories", "steps", "verifications", "step_labels", "trajectory_sources"),
+              writes=("problems", "trajectories", "steps", "verifications", "step_labels", "trajectory_sources",
+                      "selections"),
               inputs=Inputs, plan=plan, run=run)

@@ -30,6 +30,8 @@ def plan(p: Planner) -> Inputs:
         inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
     # This round's selections are new data; earlier rounds' (demos included) are the replay pool.
     p.read("bootstrap", 0)
+    if p.committed("import", 0):
+        p.read("import", 0)
     for r in range(1, p.round + 1):
         p.read("generate", r)
         p.read("filter", r)
@@ -114,5 +116,6 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, A
     return pairs, inputs
 
 
-STAGE = Stage(name="train_policy", section="train_policy", gpu=True, reads=("bootstrap", "generate", "filter"),
+STAGE = Stage(name="train_policy", section="train_policy", gpu=True,
+              reads=("bootstrap", "import", "generate", "filter"),
               writes=("models", "model_inputs"), inputs=Inputs, plan=plan, run=run)

@@ -42,6 +42,8 @@ def plan(p: Planner) -> Inputs:
             p.read(stage, r)
     if tr.demos:
         p.read("bootstrap", 0)
+    if p.committed("import", 0):
+        p.read("import", 0)
     return Inputs(policy_uri=policy["uri"], label_rounds=rounds,
                   init_prm_uri=prev["uri"] if prev and tr.init == "previous" else None,
                   parent_model_id=prev["model_id"] if prev else None)
@@ -79,10 +81,15 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
             outcome_examples += [{"prompt": t["prompt"], "completion": t["completion"], "label": bool(correct[t["trajectory_id"]]),
                                   "trajectory_id": t["trajectory_id"], "round": r}
                                  for t in trajs if correct.get(t["trajectory_id"]) is not None]
+    if spec.has("import", 0):  # imported trajectories: their given step labels, and their verdicts for the ORM
+        imported, outcomes = _imported_examples(spec)
+        examples += imported
+        labelled_round |= {e["trajectory_id"]: 0 for e in imported}
+        outcome_examples += outcomes if tr.orm else []
     if not examples:
         raise RuntimeError(f"{spec.stage_run_id}: no Monte Carlo step labels in rounds {inp.label_rounds}; "
                            "is score.mc_rollouts > 0?")
-    demos = demo_prm_examples(selected(spec, 0), domain.split_steps, examples) if tr.demos else []
+    demos = demo_prm_examples(selected(spec, 0, demos_only=True), domain.split_steps, examples) if tr.demos else []
     examples += demos
     labelled_round |= {e["trajectory_id"]: 0 for e in demos}
     n_steps = sum(v is not None for e in examples for v in e["labels"])  # None: a step without a label
@@ -118,12 +125,32 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _imported_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """PRM examples from the imports' given step labels, and ORM outcome examples from their verdicts."""
+    from components.labeling import prm_examples
+
+    trajs = [t for t in spec.rows("import", "trajectories", round=0) if t["purpose"] == "train"]
+    steps = steps_by_trajectory(spec.rows("import", "steps", round=0))
+    labels: dict[str, dict[int, dict[str, float]]] = {}
+    for lab in spec.rows("import", "step_labels", round=0):
+        labels.setdefault(lab["trajectory_id"], {}).setdefault(lab["step_index"], {})[lab["source"]] = lab["value"]
+    items = [{"trajectory_id": t["trajectory_id"], "prompt": t["prompt"], "steps": steps.get(t["trajectory_id"], [])}
+             for t in sorted(trajs, key=lambda t: t["trajectory_id"])]
+    examples, _ = prm_examples(items, labels, source="given")
+    correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("import", "verifications", round=0)}
+    outcomes = [{"prompt": t["prompt"], "completion": t["completion"], "label": bool(correct[t["trajectory_id"]]),
+                 "trajectory_id": t["trajectory_id"], "round": 0}
+                for t in trajs if correct.get(t["trajectory_id"]) is not None]
+    return examples, outcomes
+
+
 def reward_settings(cfg) -> dict:
     """What PRMParams and ORMParams share with the policy: its prompt rendering, dtype and length rules."""
     return {"prompt_format": prompt_format_of(cfg), "dtype": cfg.policy.dtype, "max_length": cfg.train_reward.max_length,
             "max_truncated_fraction": cfg.policy.max_truncated_fraction, "setting": "train_reward"}
 
 
-STAGE = Stage(name="train_reward", section="train_reward", gpu=True, reads=("generate", "verify", "score", "bootstrap"),
+STAGE = Stage(name="train_reward", section="train_reward", gpu=True,
+              reads=("generate", "verify", "score", "bootstrap", "import"),
               writes=("models", "model_inputs", "selections"), inputs=Inputs, plan=plan, run=run)
 

@@ -66,7 +66,7 @@ def test_flow_kill_between_commits_then_resume(fault_runs):
     assert "marked 1 attempt(s) left running" in killed.logs[1].read_text()
     cfg = load_config(killed.exp_dir / "config.yaml")
     got = committed(runs, exp)
-    want = {(r, s) for r in range(cfg.rounds + 1) for s in get_recipe(cfg.recipe).round_stages(r)}
+    want = {(r, s) for r in range(cfg.rounds + 1) for s in get_recipe(cfg.recipe).round_stages(r, cfg)}
     assert set(got) == want
     assert not any(r["stale"] for r in got.values())
     # the resume picked up after the last commit: nothing committed before the kill ran again

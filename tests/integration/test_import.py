@@ -95,3 +95,83 @@ def test_a_problem_not_in_the_dataset_names_its_row(workdir):
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode != 0 and "bad.jsonl row 2" in out and "Neptune" in out, out[-2000:]
     assert Store(workdir / "coevo.duckdb").committed_run("bad", 0, "import") is None
+
+
+# -- imports inside a training experiment: round 0 runs `import`, the PRM, ORM and policy train on them ------
+
+def _arith_rows(seed: int, n: int):
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(n):
+        a, b, c = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 9)
+        yield f"{a}+{b}-{c}", f"{a}+{b}={a + b}\n{a + b}-{c}={a + b - c}\n#### {a + b - c}", a + b - c
+
+
+@pytest.fixture(scope="module")
+def trained_on_imports(prefect_server, tmp_path_factory):
+    """A jsonl arithmetic dataset, 10 imported trajectories with given labels (on 5 problems: one right, one
+    wrong from step 2 on), and one `coevo` round on a ~20k-parameter model whose config lists the import."""
+    from flows.evolution import self_evolution
+
+    from components.config import load_config
+
+    w = tmp_path_factory.mktemp("imports-train")
+    train = list(_arith_rows(0, 300))
+    test = [r for r in _arith_rows(1, 60) if r[0] not in {q for q, _, _ in train}]
+    for name, rows in (("train", train), ("test", test)):
+        (w / f"{name}.jsonl").write_text("".join(json.dumps({"question": q, "answer": s}) + "\n" for q, s, _ in rows))
+    traj = []
+    for i, (q, s, ans) in enumerate(x for x in train[:5] for _ in range(2)):
+        if i % 2:  # wrong from step 2 on
+            first = s.splitlines()[0]
+            s, labels = f"{first}\n{first.split('=')[1]}-0={ans + 1}\n#### {ans + 1}", [1, 0, 0]
+        else:
+            labels = [1, 1, 1]
+        traj.append({"question": q, "completion": s, "correct": not i % 2, "step_labels": labels})
+    (w / "mine.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traj))
+    config = {
+        "experiment": "with-imports", "seed": 0, "rounds": 1, "recipe": "coevo", "workdir": str(w),
+        "domain": {"name": "jsonl", "options": {"train": str(w / "train.jsonl"), "test": str(w / "test.jsonl"),
+                                                "test_size": 8}},
+        "policy": {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+                            "max_position_embeddings": 128}},
+        "bootstrap": {"problems_per_level": 40, "steps": 20, "batch_size": 32, "learning_rate": 3.0e-3},
+        "generate": {"problems_per_level": 4, "samples_per_problem": 2, "max_new_tokens": 32},
+        "score": {"reward_model": "prm", "mc_rollouts": 2, "mc_max_trajectories": 4, "mc_max_new_tokens": 24},
+        "train_reward": {"enabled": True, "steps": 4, "batch_size": 8, "orm": True, "orm_steps": 4},
+        "filter": {"max_per_problem": 2},
+        "train_policy": {"steps": 4, "epochs": None, "batch_size": 8, "replay_ratio": 100.0},
+        "evaluate": {"problems_per_level": 2, "maj_k": 1, "max_new_tokens": 32},
+        "curriculum": {"low": 0.0, "high": 1.0, "max_levels": 1},
+        "imports": [{"path": str(w / "mine.jsonl"), "correct_field": "correct", "step_labels_field": "step_labels"}],
+    }
+    path = w / "with-imports.yaml"
+    path.write_text(yaml.safe_dump(config))
+    self_evolution(config_path=str(path))
+    cfg = load_config(path)
+    return cfg, Store(cfg.store_path)
+
+
+def test_round_zero_imports_after_the_bootstrap(trained_on_imports):
+    cfg, store = trained_on_imports
+    runs = [r["stage"] for r in sorted(store.stage_runs(cfg.experiment), key=lambda r: r["started_at"]) if r["round"] == 0]
+    assert runs == ["bootstrap", "import", "evaluate"]
+    sel = dict(store.query("SELECT selected, count(*) FROM selections s JOIN trajectory_sources USING (trajectory_id) "
+                           "WHERE s.purpose = 'policy_sft' GROUP BY 1")[1])
+    assert sel == {True: 5, False: 5}  # the verified-correct ones join round 0's SFT data
+
+
+def test_the_reward_models_and_the_policy_train_on_the_imports(trained_on_imports):
+    cfg, store = trained_on_imports
+    uses = dict(store.query(
+        "SELECT mi.model_id, count(*) FROM model_inputs mi JOIN trajectory_sources USING (trajectory_id) "
+        "GROUP BY 1")[1])
+    # The PRM: every imported trajectory with its given step labels; the ORM: all 10 verdicts; the policy:
+    # the 5 verified-correct ones, replayed (replay_ratio covers the whole round-0 pool).
+    assert uses.get(f"{cfg.experiment}/prm/r1") == 10 and uses.get(f"{cfg.experiment}/orm/r1") == 10
+    spec = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["spec_json"])
+    assert any(i["stage"] == "import" and i["round"] == 0 for i in spec["inputs"])
+    n_policy = uses.get(f"{cfg.experiment}/policy/r1", 0)
+    tp = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])
+    assert n_policy == (5 if tp["examples"] else 0)
