@@ -136,7 +136,9 @@ class MicroWorkdir:
         return REPO / "configs" / "micro.yaml"
 
     def overrides(self, experiment: str = "micro") -> list[str]:
-        return [f"workdir={self.path}", *MICRO_B] if experiment == "micro-b" else [f"workdir={self.path}"]
+        if experiment == "micro-b":  # after `micro`: it starts from micro's round-0 policy
+            return [f"workdir={self.path}", *MICRO_B, *self.start_from_round0()]
+        return [f"workdir={self.path}"]
 
     def start_from_round0(self) -> list[str]:
         """Overrides that start another micro-scale experiment from `micro`'s round-0 policy as it is
@@ -149,8 +151,9 @@ class MicroWorkdir:
         return [f"policy.model={model['uri']}", "bootstrap.steps=0"]
 
 
-# The second experiment, so `coevo compare` has two to put side by side: another seed, shorter training.
-MICRO_B = ["experiment=micro-b", "seed=1", "bootstrap.steps=100", "train_policy.steps=40"]
+# The second experiment, so `coevo compare` has two to put side by side: micro's round-0 policy, then
+# another seed's samples and shorter training.
+MICRO_B = ["experiment=micro-b", "seed=1", "train_policy.steps=40"]
 
 
 @pytest.fixture(scope="session")
