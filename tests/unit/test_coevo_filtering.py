@@ -91,8 +91,13 @@ def test_prm_examples_threshold_consensus_and_dedup():
                            consensus=True)
     assert [e["trajectory_id"] for e in ex] == ["a"]
     assert dec[-1]["reason"] == "consensus: mc first error -1, prm 0"
-    with pytest.raises(ValueError, match="mc_hard or mc_soft"):
+    with pytest.raises(ValueError, match="mc_hard, mc_soft or given"):
         prm_examples(items, labels, source="oracle")
+    # Imported step labels (source 'given') are hard labels, named as given in the decision.
+    given = {"g": {0: {"given": 1.0}, 1: {"given": 0.0}}}
+    ex, dec = prm_examples([{"trajectory_id": "g", "prompt": "q", "steps": ["x", "y"]}], given, source="given")
+    assert ex[0]["labels"] == [True, False] and dec == [{"trajectory_id": "g", "selected": True,
+                                                         "reason": "given labels"}]
 
 
 def test_step_score_rows_carry_the_model_and_aggregates():
