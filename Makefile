@@ -47,7 +47,7 @@ run: $(STAMP) | $(PREFECT_HOME)
 	$(BIN)/coevo run --config $(CONFIG)
 
 test: $(STAMP) $(BROWSER) | $(PREFECT_HOME)
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 test-fast: $(STAMP) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -m "not slow"

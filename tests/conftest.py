@@ -70,8 +70,9 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
             if fixture in names and test_group(item.nodeid) != group:
                 raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its path to SHARED_RUNS[{group!r}] in "
                                         "tests/conftest.py, so one worker runs every test of that shared run")
-    # The longest groups first, so that each worker starts one and the short tests fill in behind them; a
-    # stable sort keeps each group's own order (the fault tests read their runs in file order).
+    # The longest groups first, so that each worker starts one, then the slow modules, and the short tests
+    # fill in behind them (make test keeps this order: --no-loadscope-reorder). A stable sort keeps each
+    # group's own order (the fault tests read their runs in file order).
     order = [*SHARED_RUNS, "slow"]
 
     def rank(item) -> int:
