@@ -36,8 +36,7 @@ def arith_rows(n: int, offset: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def gsm8k() -> JsonlDomain:
-    if not GSM8K.exists():
-        pytest.skip(f"{GSM8K} is absent (it ships in ../shared next to the repo)")
+    assert GSM8K.exists(), f"{GSM8K} is absent: it ships in ../shared next to the repo (CI has it)"
     return get_domain("jsonl", train=str(GSM8K / "train.jsonl"), test=str(GSM8K / "test.jsonl"), answer_field="answer")
 
 

@@ -210,8 +210,7 @@ def test_step_labels_become_step_label_rows(arith, tmp_path):
 
 @pytest.fixture(scope="module")
 def gsm8k():
-    if not DATA.is_dir():
-        pytest.skip(f"no GSM8K data at {DATA}")
+    assert DATA.is_dir(), f"no GSM8K data at {DATA}: it ships in ../shared next to the repo (CI has it)"
     from components.domains.gsm8k import Gsm8kDomain
 
     return Gsm8kDomain(DATA / "train.jsonl", DATA / "test.jsonl")
