@@ -113,6 +113,25 @@ def load_for_training(model_path: str, num_threads: int | None, dtype: str = "fl
     return load_causal_lm(model_path, torch_dtype(dtype)), tok
 
 
+def load_policy_to_train(model_path: str, params: Any):
+    """(model, tokenizer, use_cpu) for a policy trainer (SFTParams, DPOParams): the device and dtype checked
+    before and after loading, the prompt format checked against the tokenizer, and under `chat` the
+    template's turn end made the EOS completions end with, so generation stops where training taught it."""
+    import torch
+
+    from components.models.prompts import chat_turn_end, check_prompt_format
+
+    where, lora = type(params).__name__, params.lora is not None
+    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
+    check_dtype(params.dtype, lora=lora, use_cpu=use_cpu, where=where)
+    model, tok = load_for_training(model_path, params.num_threads, params.dtype)
+    check_loaded_dtype(model, lora=lora, use_cpu=use_cpu, where=where)
+    check_prompt_format(tok, params.prompt_format, model_path)
+    if params.prompt_format.kind == "chat":
+        use_turn_end_as_eos(model, tok, chat_turn_end(tok, model_path))
+    return model, tok, use_cpu
+
+
 @contextlib.contextmanager
 def quiet_datasets():
     """Turn datasets' progress bars off for a block, then restore the caller's setting."""

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from components.models.prompts import RAW, PromptFormat, chat_turn_end, check_prompt_format, render_prompt
-from components.training.common import (ProgressCallback, TruncationError, check_dtype, check_loaded_dtype,
-                                        check_schedule, check_truncation, keep_safetensors_only, load_for_training,
-                                        quiet_datasets, token_lengths, use_turn_end_as_eos)
+from components.models.prompts import RAW, PromptFormat, render_prompt
+from components.training.common import (ProgressCallback, TruncationError, check_dtype, check_schedule,
+                                        check_truncation, keep_safetensors_only, load_for_training,
+                                        load_policy_to_train, quiet_datasets, token_lengths)
 from components.training.lora import LoraParams, lora_config, save_lora
 
 __all__ = ["ProgressCallback", "SFTParams", "TruncationError", "check_schedule", "load_for_training", "train_sft"]
@@ -82,14 +82,8 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
 
     if not examples:
         raise ValueError("train_sft: no examples")
-    use_cpu = not torch.cuda.is_available() if params.use_cpu is None else params.use_cpu
-    check_dtype(params.dtype, lora=params.lora is not None, use_cpu=use_cpu, where="SFTParams")
-    model, tok = load_for_training(model_path, params.num_threads, params.dtype)
-    check_loaded_dtype(model, lora=params.lora is not None, use_cpu=use_cpu, where="SFTParams")
+    model, tok, use_cpu = load_policy_to_train(model_path, params)
     fmt = params.prompt_format
-    check_prompt_format(tok, fmt, model_path)
-    if fmt.kind == "chat":  # the completion ends where the template ends a turn, and generation stops there
-        use_turn_end_as_eos(model, tok, chat_turn_end(tok, model_path))
     # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
     eos = tok.eos_token
     rows = [{"prompt": render_prompt(tok, e["prompt"], fmt),
