@@ -1,50 +1,224 @@
-"""Any OpenAI-compatible completions server as a generation backend."""
+"""Any OpenAI-compatible completions server as a generation backend, through the official `openai` client.
+
+    vllm serve workdir/arith-default/r0/bootstrap/a1/model --port 8000 &
+    backend = get_backend("openai", "workdir/arith-default/r0/bootstrap/a1/model", base_url="http://127.0.0.1:8000")
+    samples = backend.generate(["3+4\\n"], n=4, temperature=0.8, top_p=1.0, max_new_tokens=32, seed=0)
+
+In a config: `generate: {backend: openai, backend_options: {base_url: "http://gpu-node:8000/v1"}}`.
+
+Where the model's tokenizer is at hand (the model is a local folder, or `tokenizer` names one), prompts are
+rendered and cut by HFBackend's PromptEncoder and sent as token ids, with its EOS ids as vLLM's `stop_token_ids`:
+the server reads what `hf` would feed the model and stops where `hf` stops. Without one (a hub name served
+elsewhere) prompts go as text, and only the raw prompt format is possible.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import urllib.request
+import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from components.models.backends import Sample
+from components.models.backends import BackendError, PromptEncoder, Sample, _cut_at_stop
+from components.models.prompts import PromptFormat
 from components.seeding import seed_stream
+
+# Statuses the client retries itself, with 5xx (openai/_base_client.py `_should_retry`): still failing after
+# max_retries, the server is overloaded or restarting, and the stage may succeed later.
+RETRIED_STATUS = (408, 409, 429)
 
 
 class OpenAIBackend:
-    """Any OpenAI-compatible completions server, e.g. `vllm serve MODEL`: POST {base_url}/v1/completions.
+    """An OpenAI-compatible server, e.g. `vllm serve MODEL`: POST {base_url}/completions.
 
-    One request per prompt (n samples each), `max_concurrency` in flight; the server batches them.
-    Token counts come from `logprobs` (one entry per generated token); servers that do not return
-    them get the request's `usage.completion_tokens` shared evenly across its n samples.
+    One request per prompt (its n samples share it), at most `batch_size` in flight; the server batches them.
+    Prompt i is seeded with seed_stream(seed, i), as by VLLMBackend. Token counts come from vLLM's
+    `return_token_ids`; from other servers, from `logprobs` where returned, else `usage.completion_tokens`
+    shared across the n samples. Stop strings are left out of the text, as by every backend.
+
+    The client retries refused or broken connections, timeouts, 429 and 5xx `max_retries` times, with backoff.
+    What still fails raises BackendError, transient for those and not for a 4xx or a malformed response, and
+    cancels the requests still in flight. `served_model_name` is the name the server knows the model by
+    (`vllm serve PATH` serves it as PATH); `dtype` is the server's business and is ignored here.
     """
 
-    def __init__(self, model_name_or_path: str, base_url: str = "http://127.0.0.1:8000", api_key: str = "EMPTY",
-                 batch_size: int = 16, stop: list[str] | None = None, timeout_s: float = 600):
-        self.model, self.base_url, self.api_key = model_name_or_path, base_url.rstrip("/"), api_key
-        self.max_concurrency, self.stop, self.timeout_s = batch_size, stop, timeout_s
+    def __init__(self, model_name_or_path: str, base_url: str = "http://127.0.0.1:8000/v1", api_key: str | None = None,
+                 batch_size: int = 16, stop: list[str] | None = None, timeout_s: float = 600, max_retries: int = 3,
+                 served_model_name: str | None = None, tokenizer: str | None = None,
+                 prompt_format: PromptFormat | dict[str, Any] | str | None = None, max_prompt_length: int | None = None,
+                 max_truncated_fraction: float = 0.0, setting: str = "generate", dtype: str | None = None):
+        if batch_size < 1:
+            raise ValueError(f"{setting}.batch_size (requests in flight) must be >= 1, got {batch_size}")
+        self.model, self.served_model_name = model_name_or_path, served_model_name or model_name_or_path
+        self.base_url = api_root(base_url)
+        self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # vLLM takes any key unless --api-key
+        self.batch_size, self.stop, self.timeout_s, self.max_retries = batch_size, stop, timeout_s, max_retries
+        if tokenizer is None and Path(model_name_or_path).expanduser().is_dir():
+            tokenizer = model_name_or_path
+        self.prompts: PromptEncoder | None = None
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            path = str(Path(tokenizer).expanduser()) if tokenizer.startswith("~") else tokenizer
+            self.prompts = PromptEncoder(AutoTokenizer.from_pretrained(path), model_name_or_path, prompt_format,
+                                         max_prompt_length, max_truncated_fraction, setting, _generation_eos(path))
+        elif PromptFormat.of(prompt_format).kind != "raw" or max_prompt_length is not None:
+            raise ValueError(
+                f"backend 'openai' (model {model_name_or_path}): prompt_format 'chat' and {setting}.max_prompt_length "
+                "need the model's tokenizer, to render and cut prompts as training does; give backend_options."
+                "tokenizer (a folder or hub name), or serve a local model folder")
+
+    @property
+    def truncated_prompts(self) -> int:
+        return self.prompts.truncated_prompts if self.prompts else 0
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
         stop = self.stop if stop is None else stop
+        if not prompts:
+            return []
+        sent: list[str] | list[list[int]] = self.prompts.encode(prompts) if self.prompts else list(prompts)
+        extra: dict[str, Any] = {"return_token_ids": True}  # vLLM's; a strict server answers 400, named in the error
+        if self.prompts:
+            extra["stop_token_ids"] = self.prompts.eos_ids
+        params: dict[str, Any] = dict(model=self.served_model_name, n=n, temperature=temperature,
+                                      top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
+                                      extra_body=extra)
+        if stop:
+            params["stop"] = stop
+        return _run(self._generate_all(sent, params, seed, stop))
 
-        def one(i: int) -> list[Sample]:
-            body = {"model": self.model, "prompt": prompts[i], "n": n, "temperature": temperature,
-                    "top_p": top_p, "max_tokens": max_new_tokens, "seed": seed_stream(seed, i), "logprobs": 0}
-            if stop:
-                body["stop"] = stop
-            resp = self._post(body)
-            choices = sorted(resp["choices"], key=lambda c: c["index"])
-            per_choice = resp.get("usage", {}).get("completion_tokens", 0) // max(1, len(choices))
-            return [Sample(c["text"], len((c.get("logprobs") or {}).get("tokens") or []) or per_choice,
-                           "length" if c.get("finish_reason") == "length" else "stop") for c in choices]
+    async def _generate_all(self, sent: list[str] | list[list[int]], params: dict[str, Any], seed: int,
+                            stop: list[str] | None) -> list[list[Sample]]:
+        from openai import AsyncOpenAI, Timeout
 
-        with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
-            return list(pool.map(one, range(len(prompts))))
+        # A client per call: an async client belongs to the event loop it first ran in.
+        client = AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=self.max_retries,
+                             timeout=Timeout(self.timeout_s, connect=min(self.timeout_s, 10.0)))
+        in_flight = asyncio.Semaphore(self.batch_size)
 
-    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(
-            f"{self.base_url}/v1/completions", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"})
-        with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-            return json.loads(resp.read())
+        async def one(i: int) -> list[Sample]:
+            async with in_flight:
+                return await self._request(client, sent[i], seed_stream(seed, i), params, stop)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(sent))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # after the first failure (or an interrupt) cancel the rest; vLLM aborts a request whose client left
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await client.close()
+        errors = [task.exception() for task in tasks if not task.cancelled() and task.exception()]
+        if errors:
+            raise errors[0]
+        return [task.result() for task in tasks]
+
+    async def _request(self, client: Any, prompt: str | list[int], seed: int, params: dict[str, Any],
+                       stop: list[str] | None) -> list[Sample]:
+        from openai import APIConnectionError, APIStatusError, APITimeoutError
+
+        try:
+            raw = await client.completions.with_raw_response.create(prompt=prompt, seed=seed, **params)
+        except APIStatusError as e:
+            transient = e.status_code >= 500 or e.status_code in RETRIED_STATUS
+            raise self._error(f"HTTP {e.status_code}: {_server_message(e.body)}", transient) from e
+        except APITimeoutError as e:  # before APIConnectionError, its base class
+            raise self._error(f"timed out: no answer within timeout_s={self.timeout_s}, after "
+                              f"{self.max_retries} retries", True) from e
+        except APIConnectionError as e:
+            raise self._error(f"connection refused or lost after {self.max_retries} retries ({_cause(e)})", True) from e
+        try:  # parsed here rather than by the client, which passes bad JSON and missing fields through unchecked
+            return _samples(json.loads(raw.content), params["n"], stop)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise self._error(f"malformed response ({type(e).__name__}: {e}): {raw.text[:300]!r}", False) from e
+
+    def _error(self, what: str, transient: bool) -> BackendError:
+        return BackendError("openai", self.model, f"POST {self.base_url}/completions (served model "
+                                                  f"{self.served_model_name!r}): {what}", transient=transient)
+
+
+def api_root(base_url: str) -> str:
+    """The API root the client posts under: `/v1` added to a bare server address.
+
+    >>> api_root("http://127.0.0.1:8000"), api_root("http://127.0.0.1:8000/v1/")
+    ('http://127.0.0.1:8000/v1', 'http://127.0.0.1:8000/v1')
+    """
+    url = base_url.rstrip("/")
+    return url if urlsplit(url).path else f"{url}/v1"
+
+
+def _samples(body: Any, n: int, stop: list[str] | None) -> list[Sample]:
+    """One response's choices, by index, as Samples; ValueError (or a lookup error) where it is not a completion."""
+    choices = body.get("choices") if isinstance(body, dict) else None
+    if not isinstance(choices, list):
+        raise ValueError("no 'choices' list")
+    if len(choices) != n:
+        raise ValueError(f"{len(choices)} choices for n={n}")
+    completion_tokens = (body.get("usage") or {}).get("completion_tokens")
+    out = []
+    for k, c in enumerate(sorted(choices, key=lambda c: c["index"])):
+        text, cut = _cut_at_stop(c["text"], stop)  # a server that ignored `stop` is cut here, as HFBackend cuts
+        reason = "length" if c.get("finish_reason") == "length" and not cut else "stop"
+        out.append(Sample(text, _num_tokens(c, completion_tokens, k, n), reason))
+    return out
+
+
+def _num_tokens(choice: dict[str, Any], completion_tokens: Any, k: int, n: int) -> int:
+    """Choice k's generated tokens: vLLM's token_ids, else logprobs' tokens, else its share of the usage.
+
+    >>> [_num_tokens({}, 7, k, 3) for k in range(3)]
+    [3, 2, 2]
+    """
+    if isinstance(choice.get("token_ids"), list):
+        return len(choice["token_ids"])
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if isinstance(tokens, list):
+        return len(tokens)
+    if isinstance(completion_tokens, int):
+        share, rest = divmod(completion_tokens, n)
+        return share + (k < rest)
+    raise ValueError("no token counts: neither choices[].token_ids, choices[].logprobs nor usage.completion_tokens")
+
+
+def _server_message(body: object) -> str:
+    """What the server said: the error's message (vLLM, OpenAI), else the body as it came."""
+    if isinstance(body, dict):
+        message = body.get("message")
+        return message if isinstance(message, str) and message else json.dumps(body)[:500]
+    return str(body)[:500] if body else "(empty body)"
+
+
+def _cause(e: BaseException) -> str:
+    """What failed under the client's wrapping: the socket's error where there is one ('Connect call failed')."""
+    found, link = e.__cause__ or e, e
+    for _ in range(16):  # the chain runs through the client, httpx2, httpcore2 and anyio
+        link = link.__cause__ or link.__context__
+        if link is None:
+            break
+        if isinstance(link, OSError):
+            found = link
+    return f"{type(found).__name__}: {found}"
+
+
+def _generation_eos(path: str) -> int | list[int] | None:
+    """The generation config's EOS ids, which HFBackend stops at too (HFBackend reads them off the model)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's EOS alone
+        return None
+
+
+def _run(coro: Any) -> Any:
+    """asyncio.run, in a thread of its own where the caller's thread runs an event loop already (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
