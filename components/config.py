@@ -105,10 +105,13 @@ class SearchConfig(_Section):
 
 
 class GenerateConfig(_Section):
-    backend: str = Field("hf", description="'hf' (transformers generate), 'vllm' (the offline engine in the job), "
-                                           "'openai' (an OpenAI-compatible server), or a dotted path "
-                                           "'pkg.module:Class' to a components.models.backends.GenerationBackend.")
-    backend_options: dict[str, Any] = Field(default_factory=dict, description="Extra options for the backend.")
+    backend: str = Field("hf", description="What samples in generate, score and evaluate: 'hf' (transformers "
+                                           "generate), 'vllm' (the offline engine in the job, run in .venv-vllm: "
+                                           "`make vllm`), 'openai' (an OpenAI-compatible server such as `vllm serve`; "
+                                           "base_url in backend_options), or a dotted path 'pkg.module:Class' to a "
+                                           "components.models.backends.GenerationBackend.")
+    backend_options: dict[str, Any] = Field(default_factory=dict, description="Extra constructor options for the "
+                                                                              "backend (components/models/).")
     problems_per_level: int = Field(200, ge=1, description="Problems sampled per curriculum level per round.")
     samples_per_problem: int = Field(4, ge=1)
     temperature: float = Field(0.8, ge=0.0)
@@ -125,8 +128,7 @@ class GenerateConfig(_Section):
                                 "problem the policy solves at once costs one draw; the hard ones get the rest.")
     wave_size: int = Field(1, ge=1, description="Samples per problem per wave when until_correct is set.")
     max_prompt_length: int | None = Field(
-        None, ge=1, description="hf backend: prompts over this many tokens lose their start, and are counted; "
-                                "null: no limit.")
+        None, ge=1, description="Prompts over this many tokens lose their start, and are counted; null: no limit.")
 
     @field_validator("backend")
     @classmethod

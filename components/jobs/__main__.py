@@ -2,7 +2,8 @@
 
     python -m components.jobs generate --spec workdir/exp/r1/generate/a1.spec.json
 
-Exit codes: 0 success (manifest published), 2 bad spec or input, 1 any other failure. A job that
+Exit codes: 0 success (manifest published), 2 bad spec or input, 75 a transient engine or server fault
+(a timeout, a server gone away: the flow retries it), 1 any other failure. A job that
 dies at any point leaves only an `a<k>.tmp/` folder, which nothing reads.
 """
 
@@ -15,8 +16,10 @@ import time
 import traceback
 from pathlib import Path
 
+from components.jobs.launch import EXIT_TRANSIENT
 from components.jobs.spec import SpecError, StageSpec
 from components.manifest import Manifest, ManifestError, StageOutputWriter
+from components.models.backends import BackendError
 from components.seeding import seed_everything
 
 
@@ -57,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ManifestError, FileNotFoundError) as e:
         print(f"error: {spec.stage_run_id}: {e}", file=sys.stderr)
         return 2
+    except BackendError as e:  # the engine or server, named; a transient fault is retried (EXIT_TRANSIENT)
+        print(f"error: {spec.stage_run_id}: {e}", file=sys.stderr)
+        return EXIT_TRANSIENT if e.transient else 1
     except Exception:
         traceback.print_exc()
         print(f"error: {spec.stage_run_id} failed", file=sys.stderr)

@@ -19,7 +19,7 @@ from pathlib import Path
 from components import progress
 from components.config import ExperimentConfig
 from components.manifest import MANIFEST, ManifestError
-from components.stages import build_spec
+from components.stages import STAGES, build_spec
 from components.store import StageRunRef, Store, StoreError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,20 +46,44 @@ class StageResult:
     rows: dict[str, int] = field(default_factory=dict)
 
 
-def job_command(stage: str, spec_path: Path) -> list[str]:
-    """`python -m components.jobs <stage> --spec …`, with the flow's interpreter unless
-    `COEVO_JOB_PYTHON_<STAGE>` names another: e.g. a venv with vLLM for `generate`, whose pins
-    (fastapi, transformers) clash with Prefect's. That venv needs this project too
-    (`pip install --no-deps -e .`)."""
-    python = os.environ.get(f"COEVO_JOB_PYTHON_{stage.upper()}") or sys.executable
-    return [python, "-m", "components.jobs", stage, "--spec", str(spec_path)]
+# A job exits with this (EX_TEMPFAIL) when its engine or server failed in a way a retry may not see again.
+EXIT_TRANSIENT = 75
+VLLM_VENV = REPO_ROOT / ".venv-vllm"
+
+
+def job_python(cfg: ExperimentConfig | None, stage: str) -> str:
+    """The interpreter a stage's job runs under.
+
+    `COEVO_JOB_PYTHON_<STAGE>` wins where set. Otherwise a stage that samples (`Stage.samples`: generate,
+    score, evaluate) under `generate.backend: vllm` runs in vLLM's environment, whose fastapi and
+    transformers pins clash with Prefect's: `COEVO_VLLM_PYTHON`, else this checkout's `.venv-vllm`
+    (`make vllm`) where it exists. Everything else runs under the flow's own interpreter, which is also
+    right where vLLM is installed beside the project (a GPU image).
+    """
+    if python := os.environ.get(f"COEVO_JOB_PYTHON_{stage.upper()}"):
+        return python
+    if cfg is not None and cfg.generate.backend == "vllm" and STAGES[stage].samples:
+        if python := os.environ.get("COEVO_VLLM_PYTHON"):
+            return python
+        if (VLLM_VENV / "bin" / "python").exists():
+            return str(VLLM_VENV / "bin" / "python")
+    return sys.executable
+
+
+def job_command(stage: str, spec_path: Path, python: str | None = None) -> list[str]:
+    """`python -m components.jobs <stage> --spec …` (see `job_python`). The job imports this checkout
+    (PYTHONPATH), so another environment needs only the packages, not an install of the project."""
+    return [python or job_python(None, stage), "-m", "components.jobs", stage, "--spec", str(spec_path)]
 
 
 def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
-            on_start: Callable[[int], None] | None = None) -> None:
+            on_start: Callable[[int], None] | None = None, python: str | None = None) -> None:
     env = os.environ | {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(job_command(stage, spec_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    command = job_command(stage, spec_path, python)
+    if command[0] != sys.executable:
+        log(f"{stage}: job runs under {command[0]}")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, bufsize=1, env=env, cwd=REPO_ROOT)
     if on_start:
         on_start(proc.pid)
@@ -84,8 +108,10 @@ def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: 
     reader.join(timeout=30)
     if rc != 0:
         killed = rc < 0 or rc in (137, 143)
-        what = f"was killed by signal {-rc}" if rc < 0 else f"exited with code {rc}"
-        raise StageJobError(f"stage {stage} job {what}:\n" + "\n".join(tail[-15:]), rc, transient=killed)
+        what = (f"was killed by signal {-rc}" if rc < 0 else "failed transiently (exit 75)" if rc == EXIT_TRANSIENT
+                else f"exited with code {rc}")
+        raise StageJobError(f"stage {stage} job {what}:\n" + "\n".join(tail[-15:]), rc,
+                            transient=killed or rc == EXIT_TRANSIENT)
 
 
 def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: str, *, code_version: str | None,
@@ -109,7 +135,7 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
     progress.stage_started(ref.stage_run_id)
     ok = False
     try:
-        run_job(stage, spec_path, job_log, cfg.stage_timeout_s)
+        run_job(stage, spec_path, job_log, cfg.stage_timeout_s, python=job_python(cfg, stage))
         manifest = store.commit(ref, out_dir / MANIFEST)
         ok = True
     except (StageJobError, ManifestError, StoreError) as e:
@@ -166,7 +192,7 @@ def reproduce_stage(cfg: ExperimentConfig, store: Store, round: int, stage: str,
     spec_path = scratch.with_name(scratch.name + ".spec.json")
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(spec.to_json())
-    run_job(stage, spec_path, log, cfg.stage_timeout_s)
+    run_job(stage, spec_path, log, cfg.stage_timeout_s, python=job_python(cfg, stage))
     a, b = content_hashes(Path(committed["out_dir"])), content_hashes(scratch)
     return {k: (a.get(k, ""), b.get(k, "")) for k in sorted(set(a) | set(b))}
 
@@ -196,5 +222,5 @@ def evaluate_model_job(cfg: ExperimentConfig, model: str, name: str, *, code_ver
     spec_path = base / f"a{attempt}.spec.json"
     spec_path.write_text(spec.to_json())
     log(f"evaluating {model} into {out_dir}")
-    run_job("evaluate", spec_path, log, cfg.stage_timeout_s)
+    run_job("evaluate", spec_path, log, cfg.stage_timeout_s, python=job_python(cfg, "evaluate"))
     return out_dir, dict(read_manifest(out_dir / MANIFEST).metrics)

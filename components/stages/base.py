@@ -41,6 +41,8 @@ class Stage:
     # The name its seed is derived under, where that is not its own: `bootstrap` was round 0's
     # `train_policy` before it became a stage, and keeps its seed so stored experiments reproduce.
     seed_name: str | None = None
+    # Samples from the policy with `generate.backend`: under vLLM its job runs in vLLM's environment.
+    samples: bool = False
 
 
 @dataclass
@@ -111,7 +113,7 @@ def prompt_format_of(cfg: ExperimentConfig):
 def backend_of(spec: StageSpec, model_uri: str):
     """The config's generation backend on `model_uri`; the real-model settings (chat prompts, dtype, prompt
     length) reach it where they differ from the defaults, which every backend takes."""
-    from components.models.backends import get_backend
+    from components.models.backends import BACKENDS, get_backend
 
     cfg = spec.cfg()
     g, pol = cfg.generate, cfg.policy
@@ -122,10 +124,21 @@ def backend_of(spec: StageSpec, model_uri: str):
         real["dtype"] = pol.dtype
     if g.max_prompt_length is not None:
         real |= {"max_prompt_length": g.max_prompt_length, "max_truncated_fraction": pol.max_truncated_fraction}
-    if real and g.backend != "hf":
-        raise ValueError(f"policy.prompt_format/dtype and generate.max_prompt_length are supported by the hf "
-                         f"backend so far, not by {g.backend!r}")
+    if real and g.backend not in BACKENDS:
+        raise ValueError(f"policy.prompt_format/dtype and generate.max_prompt_length reach the built-in backends "
+                         f"({', '.join(sorted(BACKENDS))}), not {g.backend!r}")
     return get_backend(g.backend, model_uri, batch_size=g.batch_size, **real, **g.backend_options)
+
+
+def backend_metrics(backend: Any) -> dict[str, float]:
+    """What a backend reports of itself: the prompts it cut (`truncated_prompts`, which v_round_summary
+    counts) and its engine's counters (`stats()`: vLLM's prefix cache), as `engine_<name>`."""
+    out: dict[str, float] = {}
+    if hasattr(backend, "truncated_prompts"):
+        out["truncated_prompts"] = float(backend.truncated_prompts)
+    if hasattr(backend, "stats"):
+        out |= {f"engine_{k}": float(v) for k, v in backend.stats().items()}
+    return out
 
 
 def trainer_settings(cfg: ExperimentConfig, section: str, max_length: int,

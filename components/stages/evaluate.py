@@ -8,7 +8,7 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import Planner, Stage, backend_of, domain_of, log, reward_scores, steps_by_trajectory, write
+from components.stages.base import Planner, Stage, backend_metrics, backend_of, domain_of, log, reward_scores, steps_by_trajectory, write
 
 ROLES = ("prm", "orm", "implicit")
 
@@ -57,8 +57,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     n_samples = max([e.maj_k, *best_of_n])
     log("evaluate", f"{len(problems)} held-out problems at levels {levels}: greedy + {n_samples} samples"
                     + (f", reward-model best-of-{best_of_n}" if best_of_n else ""))
+    backend = backend_of(spec, inp.policy_uri)
     batch, vers, rows = evaluate(
-        domain, backend_of(spec, inp.policy_uri), problems, experiment=spec.experiment, round=spec.round,
+        domain, backend, problems, experiment=spec.experiment, round=spec.round,
         model_id=inp.policy_model_id, maj_k=e.maj_k, temperature=e.temperature,
         max_new_tokens=e.max_new_tokens, seed=spec.seed, n_samples=n_samples,
     )
@@ -94,7 +95,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         tables = {"scores": score_rows, "step_labels": oracle_rows}
     write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
           verifications=vers, evaluations=rows, **tables)
-    metrics = {}
+    metrics = backend_metrics(backend)
     for r in rows:
         key = r["metric"] if r["level"] == -1 else f"{r['metric']}_L{r['level']}"
         metrics[key] = r["value"]
@@ -109,4 +110,4 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 STAGE = Stage(name="evaluate", section="evaluate", gpu=True, reads=("bootstrap", "train_policy", "train_reward"),
               writes=("problems", "trajectories", "steps", "verifications", "evaluations", "scores", "step_labels"),
-              inputs=Inputs, plan=plan, run=run)
+              inputs=Inputs, plan=plan, run=run, samples=True)

@@ -10,7 +10,7 @@ from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.seeding import derive_seed
 from components.domains.base import unique_problems
-from components.stages.base import Planner, PlanningError, Stage, backend_of, domain_of, log, reward_model_of, write
+from components.stages.base import Planner, PlanningError, Stage, backend_metrics, backend_of, domain_of, log, reward_model_of, write
 
 
 @dataclass
@@ -72,8 +72,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     log("generate", f"{len(batch.trajectories)} trajectories, {batch.num_tokens} tokens in {dt:.1f}s")
     metrics = {"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
                "tokens_per_s": batch.num_tokens / max(dt, 1e-9)}
-    if hasattr(backend, "truncated_prompts"):  # prompts cut to generate.max_prompt_length (hf)
-        metrics["truncated_prompts"] = backend.truncated_prompts
+    metrics |= backend_metrics(backend)
     metrics |= {f"adaptive_{k}": float(v) for k, v in wave_stats.items()}
     if search_stats:
         # Discarded step draws are generation too: v_round_summary counts them in the round's budget.
@@ -104,4 +103,4 @@ def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str,
 
 
 STAGE = Stage(name="generate", section="generate", gpu=True, reads=(), writes=("problems", "trajectories", "steps"),
-              inputs=Inputs, plan=plan, run=run)
+              inputs=Inputs, plan=plan, run=run, samples=True)

@@ -10,7 +10,7 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
-from components.stages.base import (Planner, Stage, backend_of, domain_of, log, problems_by_id, reward_scores,
+from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, problems_by_id, reward_scores,
                                     steps_by_trajectory, write)
 
 
@@ -73,11 +73,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                      "per step prefix")
         t0 = time.perf_counter()
         label_fn = mc_first_error_labels if sc.mc_strategy == "first_error" else mc_step_labels
-        mc, stats = label_fn(domain, backend_of(spec, inp.policy_uri), todo, k=sc.mc_rollouts,
-                             temperature=sc.mc_temperature,
+        backend = backend_of(spec, inp.policy_uri)
+        mc, stats = label_fn(domain, backend, todo, k=sc.mc_rollouts, temperature=sc.mc_temperature,
                              max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
         labels += mc
         metrics |= {f"mc_{k}": float(v) for k, v in stats.items()} | {"mc_seconds": time.perf_counter() - t0}
+        metrics |= backend_metrics(backend)
         log("score", f"{stats['rollouts']} rollouts from {stats['unique_prefixes']} distinct prefixes, "
                      f"{stats['generated_tokens']} tokens")
     if sc.oracle_labels:
@@ -97,4 +98,4 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 
 STAGE = Stage(name="score", section="score", gpu=True, reads=("generate", "verify"), writes=("scores", "step_labels"),
-              inputs=Inputs, plan=plan, run=run)
+              inputs=Inputs, plan=plan, run=run, samples=True)

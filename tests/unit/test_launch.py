@@ -14,3 +14,44 @@ def test_a_stage_job_can_run_in_another_environment(monkeypatch):
     assert job_command("generate", Path("s.json")) == ["/opt/vllm/bin/python", "-m", "components.jobs", "generate",
                                                       "--spec", "s.json"]
     assert job_command("evaluate", Path("s.json"))[0] == sys.executable
+
+
+def test_the_sampling_stages_run_in_vllms_environment_under_the_vllm_backend(monkeypatch, tmp_path):
+    from components.config import load_config
+    from components.jobs import launch
+
+    monkeypatch.delenv("COEVO_VLLM_PYTHON", raising=False)
+    hf = load_config("configs/micro.yaml")
+    vllm = load_config("configs/micro.yaml", ["generate.backend=vllm"])
+    venv = tmp_path / ".venv-vllm"
+    monkeypatch.setattr(launch, "VLLM_VENV", venv)
+    assert launch.job_python(vllm, "generate") == sys.executable  # no vLLM environment: the job says what is missing
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    sampling = {s: launch.job_python(vllm, s) for s in ("generate", "score", "evaluate")}
+    assert sampling == dict.fromkeys(sampling, str(venv / "bin" / "python"))
+    assert {launch.job_python(vllm, s) for s in ("bootstrap", "verify", "filter", "train_policy", "train_reward")} \
+        == {sys.executable}
+    assert launch.job_python(hf, "generate") == sys.executable
+    monkeypatch.setenv("COEVO_VLLM_PYTHON", "/gpu/bin/python")
+    assert launch.job_python(vllm, "score") == "/gpu/bin/python"
+    monkeypatch.setenv("COEVO_JOB_PYTHON_SCORE", "/other/bin/python")  # the per-stage override wins
+    assert launch.job_python(vllm, "score") == "/other/bin/python"
+
+
+def test_a_job_that_fails_transiently_is_retried_and_one_that_raises_is_not(tmp_path):
+    from components.jobs.launch import EXIT_TRANSIENT, StageJobError, run_job
+
+    def fake_python(code: int) -> str:  # an interpreter whose job prints an error and exits with `code`
+        script = tmp_path / f"exit{code}"
+        script.write_text(f"#!/bin/sh\necho 'error: backend said so'\nexit {code}\n")
+        script.chmod(0o755)
+        return str(script)
+
+    for code, transient in ((EXIT_TRANSIENT, True), (1, False), (2, False)):
+        try:
+            run_job("generate", Path("s.json"), lambda _: None, 30, python=fake_python(code))
+        except StageJobError as e:
+            assert e.transient is transient and e.returncode == code and "backend said so" in str(e)
+        else:
+            raise AssertionError(f"exit {code} did not fail the job")
