@@ -84,12 +84,14 @@ class OpenAIBackend:
         extra: dict[str, Any] = {"return_token_ids": True}  # vLLM's; a strict server answers 400, named in the error
         if self.prompts:
             extra["stop_token_ids"] = self.prompts.eos_ids
-        params: dict[str, Any] = dict(model=self.served_model_name, n=n, temperature=temperature,
+        # Greedy decoding gives one answer, and vLLM's server refuses n > 1 with temperature 0: ask once, copy.
+        copies = n if temperature == 0 else 1
+        params: dict[str, Any] = dict(model=self.served_model_name, n=n // copies, temperature=temperature,
                                       top_p=top_p if temperature > 0 else 1.0, max_tokens=max_new_tokens,
                                       extra_body=extra)
         if stop:
             params["stop"] = stop
-        return _run(self._generate_all(sent, params, seed, stop))
+        return [per * copies for per in _run(self._generate_all(sent, params, seed, stop))]
 
     async def _generate_all(self, sent: list[str] | list[list[int]], params: dict[str, Any], seed: int,
                             stop: list[str] | None) -> list[list[Sample]]:

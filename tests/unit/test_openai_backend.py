@@ -145,16 +145,25 @@ def test_long_prompts_cut_as_the_prompt_encoder_cuts(server, tiny_model):
 def test_text_prompts_without_a_tokenizer(server, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     server.behaviour = lambda handler, body: reply(handler, 200, completion(body, token_ids=False))
-    samples = draw(text_backend(server.url, served_model_name="tiny"), PROMPTS[:1], n=3, temperature=0.0,
+    samples = draw(text_backend(server.url, served_model_name="tiny"), PROMPTS[:1], n=3, temperature=0.5,
                    top_p=0.5)
 
     (req,) = server.requests
     body = req["body"]
     assert body["prompt"] == PROMPTS[0] and body["model"] == "tiny" and "stop_token_ids" not in body
-    assert body["top_p"] == 1.0 and "stop" not in body  # greedy: top_p off, as VLLMBackend sends it
+    assert body["top_p"] == 0.5 and "stop" not in body
     assert req["headers"]["authorization"] == "Bearer sk-test"
     # without token_ids the usage's 7 tokens are shared across the 3 samples
     assert [s.num_tokens for s in samples[0]] == [3, 2, 2]
+
+
+def test_greedy_asks_once_and_copies(server):
+    """vLLM's server refuses n > 1 at temperature 0; greedy decoding has one answer anyway."""
+    server.behaviour = lambda handler, body: reply(handler, 200, completion(body, token_ids=False))
+    samples = draw(text_backend(server.url), PROMPTS[:1], n=3, temperature=0.0, top_p=0.5)
+    (req,) = server.requests
+    assert req["body"]["n"] == 1 and req["body"]["top_p"] == 1.0  # top_p off, as VLLMBackend sends it
+    assert len(samples[0]) == 3 and len(set(samples[0])) == 1
 
 
 @pytest.mark.parametrize("setting", [{"prompt_format": "chat"}, {"max_prompt_length": 64}])
