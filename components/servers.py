@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVERS = ("prefect", "mlflow")
 DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
 # What a health probe hits: Prefect's API health route, MLflow's /health.
@@ -294,3 +295,29 @@ def status(workdir: str | Path) -> list[ServerStatus]:
             code = http_status(info.url + HEALTH_PATH[name])
             out.append(ServerStatus(name, True, info.pid, info.url, code, info.log))
     return out
+
+
+# -- vllm serve ---------------------------------------------------------------------------------
+
+def vllm_serve(model: str, port: int, log: Path, *, python: str | Path, host: str = "127.0.0.1",
+               kv_cache_gib: int = 2, timeout_s: float = 600) -> subprocess.Popen:
+    """Start `vllm serve MODEL` (through `components.models.vllm_cli`) from a vLLM environment (`python` is its interpreter: `.venv-vllm/bin/python`)
+    in its own process group, and return once `/v1/models` answers; stop it with `os.killpg(proc.pid, ...)`.
+
+    The settings mirror VLLMBackend's, so a server and the offline engine sample alike: float32, seed 0,
+    eager mode, and on the CPU build whole-prompt prefill and a KV cache of `kv_cache_gib`."""
+    command = [str(python), "-m", "components.models.vllm_cli", "serve", model, "--host", host, "--port", str(port), "--dtype", "float32", "--seed", "0",
+               "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_LOGGING_LEVEL": "WARNING",
+                        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            cwd=REPO_ROOT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServerError(f"vllm serve {model} exited with code {proc.returncode}:\n{_tail(log)}")
+        if http_status(f"http://{host}:{port}/v1/models", timeout_s=2) == 200:
+            return proc
+        time.sleep(2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise ServerError(f"vllm serve {model} did not answer on {host}:{port} in {timeout_s:.0f} s:\n{_tail(log)}")
