@@ -1,0 +1,161 @@
+"""Generation throughput, side by side in one run: HF `generate` vs vLLM vs the OpenAI client on `vllm serve`,
+and vLLM's prefix caching on the Monte Carlo rollouts of a round.
+
+    make vllm && PYTHONPATH=. .venv-vllm/bin/python benchmarks/generation.py        # ~6 min on 2 CPU cores
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/generation.py --no-server --out /tmp/gen.json
+
+It runs in `.venv-vllm`, which has torch and transformers as well as vLLM, so all three engines run here
+on the same model, prompts, n, temperature and max tokens. The model is a stand-in built here
+(`components.models.standin`: a BPE tokenizer trained on arith text, a random Qwen2, a chat template),
+prompted as a chat model is, under a system prompt. Its weights are random, so its completions are noise:
+what is measured is the engine, not the answers.
+
+1. Throughput: `--problems` arith prompts, n samples each: generated tokens per second of each engine.
+2. Monte Carlo rollouts: the workload `score` sends its backend (`labeling.mc_step_labels`): k rollouts
+   from every prefix (prompt + the first i steps) of the problems' reference solutions, in one call. The
+   prefixes share their chat template and system prompt, and a problem's prefixes share its question and
+   earlier steps: prefix caching computes those blocks once. vLLM with the cache on vs off.
+
+Timings are wall clock after each engine's start (reported apart). On a GPU machine the same command
+measures the GPU engines; the roofline comparison (decode tokens/s against batch x HBM bandwidth / model
+bytes) is not implemented here, because no GPU was available to check it against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYSTEM = ("You are a careful arithmetic tutor. Solve the problem one operation per line: write the operation "
+          "on the running total and its result, as in 3+4=7, then the next operation on that result. Never skip "
+          "or merge operations, never reorder them, and do not explain in words. When every operation is done, "
+          "write a last line with four hash marks, a space and the final number, as in #### 12.")
+
+
+def _timed(backend, prompts: list[str], **kw) -> dict[str, float]:
+    t = time.perf_counter()
+    out = backend.generate(prompts, **kw)
+    dt = time.perf_counter() - t
+    tokens = sum(s.num_tokens for per in out for s in per)
+    return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--problems", type=int, default=128, help="prompts for the throughput test")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=8, help="Monte Carlo rollouts per prefix")
+    ap.add_argument("--mc-problems", type=int, default=64, help="problems whose reference prefixes are rolled out")
+    ap.add_argument("--no-server", action="store_true", help="leave out the OpenAI client on vllm serve")
+    ap.add_argument("--out", type=Path, help="also write the figures as JSON")
+    args = ap.parse_args()
+
+    import torch
+
+    from components.domains import get_domain
+    from components.labeling import mc_step_labels
+    from components.models.backends import HFBackend
+    from components.models.prompts import PromptFormat
+    from components.models.standin import build_standin, domain_texts, param_count
+    from components.models.vllm_backend import VLLMBackend
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    domain = get_domain("arith")
+    work = Path(tempfile.mkdtemp(prefix="coevo-bench-gen-"))
+    model = str(build_standin(work / "standin", domain_texts(domain, n_per_level=300, seed=0), seed=0))
+    fmt = PromptFormat("chat", SYSTEM)
+    problems = [p for level in domain.levels() for p in domain.test_set(level)]
+    prompts = [p.prompt for p in problems[: args.problems]]
+    kw = dict(n=args.n, temperature=0.8, top_p=1.0, max_new_tokens=args.max_new_tokens, seed=0)
+    res: dict = {"model": {"path": "stand-in (qwen2, random init)", "parameters": param_count(model)},
+                 "device": "cuda" if torch.cuda.is_available() else f"cpu ({os.cpu_count()} cores)",
+                 "throughput": {}, "mc_rollouts": {}, "engine_start_s": {},
+                 "settings": {**vars(args), "out": str(args.out) if args.out else None}}
+    n_prompt = len(HFBackend(model, progress=False, prompt_format=fmt).prompts.encode(prompts[:1])[0])
+    res["settings"]["prompt_tokens_first"] = n_prompt
+    print(f"stand-in: {res['model']['parameters']:,} parameters; {len(prompts)} prompts x n={args.n}, "
+          f"{args.max_new_tokens} new tokens; a chat prompt is ~{n_prompt} tokens", flush=True)
+
+    hf = HFBackend(model, batch_size=256, progress=False, prompt_format=fmt)
+    res["throughput"]["hf"] = _timed(hf, prompts, **kw)
+    print(f"hf generate      {res['throughput']['hf']['tokens_per_s']:9.0f} tokens/s", flush=True)
+    del hf
+    gc.collect()
+
+    # Rollout slots as score builds them: every non-final prefix of each reference solution.
+    items = [{"trajectory_id": p.problem_id, "problem_id": p.problem_id, "prompt": p.prompt, "answer_ref": p.answer,
+              "steps": domain.split_steps(domain.reference_solution(p))}
+             for p in problems[-args.mc_problems:]]  # the hardest levels: the longest solutions
+    for caching in (True, False):
+        t = time.perf_counter()
+        engine = VLLMBackend(model, batch_size=256, prompt_format=fmt, enable_prefix_caching=caching)
+        res["engine_start_s"][f"vllm_cache_{'on' if caching else 'off'}"] = time.perf_counter() - t
+        if caching:
+            res["throughput"]["vllm"] = _timed(engine, prompts, **kw)
+            print(f"vllm             {res['throughput']['vllm']['tokens_per_s']:9.0f} tokens/s", flush=True)
+        before = engine.stats()
+        t = time.perf_counter()
+        _, stats = mc_step_labels(domain, engine, items, k=args.k, temperature=0.8,
+                                  max_new_tokens=args.max_new_tokens, seed=1)
+        dt = time.perf_counter() - t
+        after = engine.stats()
+        queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+        hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+        row = {"seconds": dt, "rollouts": stats["rollouts"], "prefixes": stats["unique_prefixes"],
+               "tokens": stats["generated_tokens"], "tokens_per_s": stats["generated_tokens"] / dt,
+               "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+        res["mc_rollouts"]["cache_on" if caching else "cache_off"] = row
+        print(f"MC rollouts, prefix cache {'on ' if caching else 'off'}: {row['rollouts']} rollouts from "
+              f"{row['prefixes']} prefixes in {dt:.1f}s, {row['tokens_per_s']:.0f} tokens/s, "
+              f"hit rate {row['prefix_cache_hit_rate']:.1%}", flush=True)
+        engine.close()
+        del engine
+        gc.collect()
+
+    if not args.no_server:
+        from components.models.openai_backend import OpenAIBackend
+
+        from components.servers import free_port, vllm_serve
+
+        port = free_port()
+        t = time.perf_counter()
+        server = vllm_serve(model, port, work / "serve.log", python=sys.executable)
+        res["engine_start_s"]["vllm_serve"] = time.perf_counter() - t
+        try:
+            client = OpenAIBackend(model, base_url=f"http://127.0.0.1:{port}/v1", batch_size=64, prompt_format=fmt)
+            res["throughput"]["openai_vllm_serve"] = _timed(client, prompts, **kw)
+            print(f"openai -> serve  {res['throughput']['openai_vllm_serve']['tokens_per_s']:9.0f} tokens/s",
+                  flush=True)
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+
+    tp, mc = res["throughput"], res["mc_rollouts"]
+    ratios = {"vllm_over_hf": tp["vllm"]["tokens_per_s"] / tp["hf"]["tokens_per_s"],
+              "mc_cache_on_over_off_tokens_per_s": mc["cache_on"]["tokens_per_s"] / mc["cache_off"]["tokens_per_s"],
+              "mc_cache_off_over_on_seconds": mc["cache_off"]["seconds"] / mc["cache_on"]["seconds"]}
+    if "openai_vllm_serve" in tp:
+        ratios["server_over_hf"] = tp["openai_vllm_serve"]["tokens_per_s"] / tp["hf"]["tokens_per_s"]
+        ratios["server_over_vllm"] = tp["openai_vllm_serve"]["tokens_per_s"] / tp["vllm"]["tokens_per_s"]
+    res["ratios"] = ratios
+    res["gpu"] = ("not measured: no GPU here" if not torch.cuda.is_available()
+                  else "not measured: the roofline comparison is not implemented yet")
+    print("\nratios, measured side by side in this run:")
+    for k, v in ratios.items():
+        print(f"  {k:36s} {v:6.2f}")
+    print(f"GPU roofline: {res['gpu']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":  # vLLM's engine starts worker processes: the guard keeps them from re-running this
+    main()
