@@ -96,7 +96,7 @@ def _attempt(monkeypatch, tmp_path, store, job_lines, job_error=None):
         return SimpleNamespace(out_dir=str(tmp_path / f"r{round}" / stage / f"a{attempt}"), seed=1,
                                config_hash="h", to_json=lambda: "{}")
 
-    def fake_job(stage, spec_path, log, timeout_s):
+    def fake_job(stage, spec_path, log, timeout_s, python=None):
         for line in job_lines:
             log(line)
         if job_error:
@@ -106,7 +106,7 @@ def _attempt(monkeypatch, tmp_path, store, job_lines, job_error=None):
     monkeypatch.setattr(launch, "run_job", fake_job)
     logged: list[str] = []
     rec = Recorder()
-    cfg = SimpleNamespace(experiment="e", stage_timeout_s=60)
+    cfg = SimpleNamespace(experiment="e", stage_timeout_s=60, generate=SimpleNamespace(backend="hf"))
     with installed(rec):
         try:
             run_stage_attempt(cfg, store, 1, "train_policy", code_version=None, log=logged.append)
