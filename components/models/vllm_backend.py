@@ -39,9 +39,9 @@ def _max_positions(model: str) -> int:
 
 
 class VLLMBackend:
-    """`batch_size` is vLLM's `max_num_seqs`. On a CPU build `cpu_kv_cache_gib` sets the KV cache
-    (`VLLM_CPU_KVCACHE_SPACE`, where the environment does not set it); on a GPU `gpu_memory_utilization`
-    does, and < 0.9 leaves room for a reward model in the same job. `engine_kwargs` go to `vllm.LLM`."""
+    """`batch_size` is vLLM's `max_num_seqs`. On a CPU build `cpu_kv_cache_gib` sets the KV cache (where
+    `VLLM_CPU_KVCACHE_SPACE` does not); on a GPU `gpu_memory_utilization` does, and < 0.9 leaves room for a
+    reward model in the same job. `engine_kwargs` go to `vllm.LLM`."""
 
     def __init__(self, model_name_or_path: str, batch_size: int = 256, gpu_memory_utilization: float = 0.5,
                  dtype: str | None = None, seed: int = 0, max_model_len: int | None = None,
@@ -72,7 +72,8 @@ class VLLMBackend:
                                      setting, gen_eos)
         engine = dict(engine_kwargs or {})
         if not _cuda():
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
+            # The KV cache's size on the CPU build (VLLM_CPU_KVCACHE_SPACE, where set, overrides it).
+            engine.setdefault("kv_cache_memory_bytes", cpu_kv_cache_gib * 2**30)
             # vllm-cpu 0.32 rewinds a request's seeded generator when chunked prefill splits its prompt, and a
             # CPU torch.Generator cannot rewind ("CPU Generator does not use offset"): whole prompts only.
             engine.setdefault("enable_chunked_prefill", False)
@@ -85,8 +86,12 @@ class VLLMBackend:
                            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
                            disable_log_stats=False, **engine)
         except Exception as e:  # vLLM raises many types; each says why in its message
-            raise BackendError("vllm", self.model, f"the engine failed to start: {type(e).__name__}: {e}",
-                               transient=False) from e
+            why = f"the engine failed to start: {type(e).__name__}: {e}"
+            if "initialization failed" in str(e) or "memory" in str(e).lower():
+                # Raised in the engine's own process, the cause is in its log above this line.
+                why += (" (the engine's log above has the cause; if out of memory: lower cpu_kv_cache_gib or "
+                        "gpu_memory_utilization, max_model_len or batch_size in generate.backend_options)")
+            raise BackendError("vllm", self.model, why, transient=False) from e
         self.stop = stop
 
     @property

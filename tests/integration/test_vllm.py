@@ -99,12 +99,14 @@ def test_vllm_samples_as_hf_does_on_the_same_model(vllm_python, hf_run, tmp_path
     assert got["search_redraws"] > 0 and got["searched_right"] >= got["plain_right"], got
     assert got["waves"]["waves"] >= 2 and got["waves_trajectories"] <= 8 * 30, got
     assert got["vllm_stats"]["prefix_cache_queries"] > 0
-    # A model vLLM cannot load fails at once, naming the backend and the model, and is not retried.
-    for name, what in (("unknown_arch", "NoSuchForCausalLM"), ("adapter", "LoRA adapter")):
+    # What vLLM cannot start fails at once, naming the backend, the model and the cause, and is not retried.
+    for name, what, where in (("unknown_arch", "NoSuchForCausalLM", "unknown-arch"),
+                              ("adapter", "LoRA adapter", "adapter"), ("out_of_memory", "if out of memory", model)):
         refused = got["refused"][name]
         assert refused and not refused["transient"], (name, refused)
-        assert "backend 'vllm'" in refused["message"] and name.replace("_", "-") in refused["message"], refused
+        assert "backend 'vllm'" in refused["message"] and where in refused["message"], refused
         assert what in refused["message"], refused
+    assert "requested memory for kv" in p.stdout + p.stderr  # the engine's own words, in the job's log
 
 
 def test_the_micro_configs_sampling_stages_commit_through_vllm_what_they_commit_through_hf(vllm_python, hf_run):

@@ -93,7 +93,7 @@ def main(model: str, out_path: str) -> None:
     out["vllm_stats"] = engines["vllm"].stats()
     engines["vllm"].close()
 
-    # Models vLLM cannot load: an architecture it does not know, and a LoRA adapter folder.
+    # What vLLM cannot start: an architecture it does not know, a LoRA adapter folder, a KV cache over memory.
     import shutil
     import tempfile
     from pathlib import Path
@@ -108,9 +108,10 @@ def main(model: str, out_path: str) -> None:
     shutil.copytree(model, adapter)
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": model, "peft_type": "LORA"}))
     out["refused"] = {}
-    for name, path in (("unknown_arch", bad), ("adapter", adapter)):
+    for name, path, options in (("unknown_arch", bad, {}), ("adapter", adapter, {}),
+                                ("out_of_memory", model, {"cpu_kv_cache_gib": 1 << 16})):  # a 64 TiB KV cache
         try:
-            VLLMBackend(str(path))
+            VLLMBackend(str(path), **options)
             out["refused"][name] = None
         except BackendError as e:
             out["refused"][name] = {"message": str(e), "transient": e.transient}
