@@ -53,8 +53,9 @@ class PromptEncoder:
     chat training ends completions with.
     """
 
-    def __init__(self, tok: Any, model_name_or_path: str, prompt_format: PromptFormat | dict[str, Any] | str | None = None,
-                 max_prompt_length: int | None = None, max_truncated_fraction: float = 0.0, setting: str = "generate",
+    def __init__(self, tok: Any, model_name_or_path: str,
+                 prompt_format: PromptFormat | dict[str, Any] | str | None = None, max_prompt_length: int | None = None,
+                 max_truncated_fraction: float = 0.0, setting: str = "generate",
                  generation_eos: int | list[int] | None = None):
         if max_prompt_length is not None and max_prompt_length < 1:
             raise ValueError(f"{setting}.max_prompt_length must be >= 1 token or None, got {max_prompt_length}")
@@ -64,7 +65,8 @@ class PromptEncoder:
         check_prompt_format(tok, self.format, model_name_or_path)
         self.max_prompt_length, self.max_truncated_fraction = max_prompt_length, max_truncated_fraction
         self.setting, self.truncated_prompts = setting, 0
-        eos = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+        eos = ([] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int)
+               else list(generation_eos))
         if tok.eos_token_id is not None:
             eos.append(tok.eos_token_id)
         if self.format.kind == "chat":  # where chat training ends a completion, whatever the configs say

@@ -8,7 +8,8 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import Planner, Stage, backend_metrics, backend_of, domain_of, log, reward_scores, steps_by_trajectory, write
+from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, reward_scores,
+                                   steps_by_trajectory, write)
 
 ROLES = ("prm", "orm", "implicit")
 

@@ -10,7 +10,8 @@ from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.seeding import derive_seed
 from components.domains.base import unique_problems
-from components.stages.base import Planner, PlanningError, Stage, backend_metrics, backend_of, domain_of, log, reward_model_of, write
+from components.stages.base import (Planner, PlanningError, Stage, backend_metrics, backend_of, domain_of, log,
+                                   reward_model_of, write)
 
 
 @dataclass

@@ -10,8 +10,8 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
-from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, problems_by_id, reward_scores,
-                                    steps_by_trajectory, write)
+from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, problems_by_id,
+                                    reward_scores, steps_by_trajectory, write)
 
 
 @dataclass
