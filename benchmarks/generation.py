@@ -16,9 +16,13 @@ what is measured is the engine, not the answers.
    prefixes share their chat template and system prompt, and a problem's prefixes share its question and
    earlier steps: prefix caching computes those blocks once. vLLM with the cache on vs off.
 
-Timings are wall clock after each engine's start (reported apart). On a GPU machine the same command
-measures the GPU engines; the roofline comparison (decode tokens/s against batch x HBM bandwidth / model
-bytes) is not implemented here, because no GPU was available to check it against.
+Timings are wall clock after each engine's start (reported apart).
+
+3. On a CUDA machine only: decode throughput against the HBM roofline. A ~190M-parameter stand-in in
+   bf16 decodes `--roofline-tokens` tokens for each of `--roofline-batch` sequences (EOS ignored), with
+   vLLM where it is installed, else HF `generate`; the roofline is batch x bandwidth / model bytes
+   (`--hbm-tb-s`, 3.0 measured on an H100), the bound of a decode step that reads every weight once.
+   This part has not run yet: no GPU was available where it was written.
 """
 
 from __future__ import annotations
@@ -47,6 +51,49 @@ def _timed(backend, prompts: list[str], **kw) -> dict[str, float]:
     return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
 
 
+def gpu_roofline(work: Path, texts: list[str], batch: int, new_tokens: int, hbm_tb_s: float) -> dict:
+    """Decode tokens/s of a ~190M-parameter bf16 stand-in at `batch` sequences, against the HBM roofline."""
+    import torch
+
+    from components.models.standin import build_standin, param_count
+
+    model = str(build_standin(work / "standin-gpu", texts, seed=0, hidden_size=1024, num_layers=16, num_heads=16,
+                              num_kv_heads=8, intermediate_size=2816, max_position_embeddings=2048))
+    params = param_count(model)
+    prompts = ["1+2-3+4\n"] * batch
+    try:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=model, dtype="bfloat16", max_num_seqs=batch, gpu_memory_utilization=0.8, seed=0)
+        sp = SamplingParams(temperature=0.8, max_tokens=new_tokens, ignore_eos=True, seed=0)
+        llm.generate(prompts[:8], sp, use_tqdm=False)  # warm-up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        dt, engine = time.perf_counter() - t, "vllm"
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    except ImportError:  # a GPU image with torch and transformers only
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+        tok.padding_side = "left"
+        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+        enc = tok(prompts, return_tensors="pt", padding=True).to("cuda")
+        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.8,
+                  pad_token_id=tok.pad_token_id)
+        with torch.inference_mode():
+            lm.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = lm.generate(**enc, **kw)
+            torch.cuda.synchronize()
+        dt, engine = time.perf_counter() - t, "hf generate"
+        tokens = (out.shape[1] - enc["input_ids"].shape[1]) * batch
+    roofline = batch * hbm_tb_s * 1e12 / (2 * params)  # bf16: 2 bytes a parameter, all read once per step
+    return {"engine": engine, "gpu": torch.cuda.get_device_name(), "parameters": params, "batch": batch,
+            "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "roofline_tokens_per_s": roofline,
+            "share_of_roofline": tokens / dt / roofline}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--problems", type=int, default=128, help="prompts for the throughput test")
@@ -55,6 +102,9 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8, help="Monte Carlo rollouts per prefix")
     ap.add_argument("--mc-problems", type=int, default=64, help="problems whose reference prefixes are rolled out")
     ap.add_argument("--no-server", action="store_true", help="leave out the OpenAI client on vllm serve")
+    ap.add_argument("--roofline-batch", type=int, default=256, help="GPU only: sequences decoded at once")
+    ap.add_argument("--roofline-tokens", type=int, default=256, help="GPU only: tokens decoded per sequence")
+    ap.add_argument("--hbm-tb-s", type=float, default=3.0, help="GPU only: HBM bandwidth, TB/s")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON")
     args = ap.parse_args()
 
@@ -70,7 +120,8 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     domain = get_domain("arith")
     work = Path(tempfile.mkdtemp(prefix="coevo-bench-gen-"))
-    model = str(build_standin(work / "standin", domain_texts(domain, n_per_level=300, seed=0), seed=0))
+    texts = list(domain_texts(domain, n_per_level=300, seed=0))  # the GPU stand-in reuses them
+    model = str(build_standin(work / "standin", texts, seed=0))
     fmt = PromptFormat("chat", SYSTEM)
     problems = [p for level in domain.levels() for p in domain.test_set(level)]
     prompts = [p.prompt for p in problems[: args.problems]]
@@ -146,12 +197,15 @@ def main() -> None:
         ratios["server_over_hf"] = tp["openai_vllm_serve"]["tokens_per_s"] / tp["hf"]["tokens_per_s"]
         ratios["server_over_vllm"] = tp["openai_vllm_serve"]["tokens_per_s"] / tp["vllm"]["tokens_per_s"]
     res["ratios"] = ratios
-    res["gpu"] = ("not measured: no GPU here" if not torch.cuda.is_available()
-                  else "not measured: the roofline comparison is not implemented yet")
+    res["gpu"] = (gpu_roofline(work, texts, args.roofline_batch, args.roofline_tokens, args.hbm_tb_s)
+                  if torch.cuda.is_available() else "not measured: no GPU here")
     print("\nratios, measured side by side in this run:")
     for k, v in ratios.items():
         print(f"  {k:36s} {v:6.2f}")
-    print(f"GPU roofline: {res['gpu']}")
+    g = res["gpu"]
+    print(f"GPU roofline: {g}" if isinstance(g, str) else
+          f"GPU roofline ({g['gpu']}, {g['engine']}, {g['parameters']:,} parameters bf16, batch {g['batch']}): "
+          f"{g['tokens_per_s']:.0f} tokens/s = {g['share_of_roofline']:.1%} of {g['roofline_tokens_per_s']:.0f}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
