@@ -75,6 +75,19 @@ class PromptEncoder:
         if not self.eos_ids:
             raise ValueError(f"{model_name_or_path}: neither the tokenizer nor the generation config names an EOS")
 
+    @classmethod
+    def from_pretrained(cls, path: str, model_name_or_path: str | None = None, *args: Any, **kw: Any) -> PromptEncoder:
+        """The encoder for a tokenizer folder or hub name, with the EOS ids of its generation config (which
+        HFBackend reads off the loaded model instead); `model_name_or_path` (default `path`) names it in errors."""
+        from transformers import AutoTokenizer, GenerationConfig
+
+        try:
+            generation_eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except OSError:  # no generation_config.json: the tokenizer's EOS alone
+            generation_eos = None
+        return cls(AutoTokenizer.from_pretrained(path), model_name_or_path or path, *args, **kw,
+                   generation_eos=generation_eos)
+
     def encode(self, prompts: list[str]) -> list[list[int]]:
         texts = render_prompts(self.tok, prompts, self.format)
         return self._cut(self.tok(texts, add_special_tokens=True)["input_ids"])

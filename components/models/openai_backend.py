@@ -60,11 +60,9 @@ class OpenAIBackend:
             tokenizer = model_name_or_path
         self.prompts: PromptEncoder | None = None
         if tokenizer is not None:
-            from transformers import AutoTokenizer
-
             path = str(Path(tokenizer).expanduser()) if tokenizer.startswith("~") else tokenizer
-            self.prompts = PromptEncoder(AutoTokenizer.from_pretrained(path), model_name_or_path, prompt_format,
-                                         max_prompt_length, max_truncated_fraction, setting, _generation_eos(path))
+            self.prompts = PromptEncoder.from_pretrained(path, model_name_or_path, prompt_format, max_prompt_length,
+                                                         max_truncated_fraction, setting)
         elif PromptFormat.of(prompt_format).kind != "raw" or max_prompt_length is not None:
             raise ValueError(
                 f"backend 'openai' (model {model_name_or_path}): prompt_format 'chat' and {setting}.max_prompt_length "
@@ -204,16 +202,6 @@ def _cause(e: BaseException) -> str:
         if isinstance(link, OSError):
             found = link
     return f"{type(found).__name__}: {found}"
-
-
-def _generation_eos(path: str) -> int | list[int] | None:
-    """The generation config's EOS ids, which HFBackend stops at too (HFBackend reads them off the model)."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json: the tokenizer's EOS alone
-        return None
 
 
 def _run(coro: Any) -> Any:

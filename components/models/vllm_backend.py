@@ -55,7 +55,6 @@ class VLLMBackend:
         # The engine's INFO lines would bury the stage's own in the Prefect log; its warnings stay.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         try:
-            from transformers import AutoTokenizer, GenerationConfig
             from vllm import LLM
         except ImportError as e:
             raise ImportError("backend 'vllm' needs the vllm package in the stage job's environment: `make vllm` "
@@ -63,13 +62,8 @@ class VLLMBackend:
         if is_adapter_dir(self.model):
             raise BackendError("vllm", self.model, "is a LoRA adapter folder; vLLM loads a full model: train with "
                                                    "policy.lora.merge=true, or use backend hf")
-        tok = AutoTokenizer.from_pretrained(self.model)
-        try:
-            gen_eos = GenerationConfig.from_pretrained(self.model).eos_token_id
-        except OSError:  # no generation_config.json: the tokenizer's EOS alone
-            gen_eos = None
-        self.prompts = PromptEncoder(tok, self.model, prompt_format, max_prompt_length, max_truncated_fraction,
-                                     setting, gen_eos)
+        self.prompts = PromptEncoder.from_pretrained(self.model, None, prompt_format, max_prompt_length,
+                                                     max_truncated_fraction, setting)
         engine = dict(engine_kwargs or {})
         if not _cuda():
             # The KV cache's size on the CPU build (VLLM_CPU_KVCACHE_SPACE, where set, overrides it).
