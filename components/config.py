@@ -102,6 +102,9 @@ class SearchConfig(_Section):
     max_tries: int = Field(4, ge=1, description="Draws of one step at most; the best-scored is kept.")
     threshold: float = Field(0.5, ge=0.0, le=1.0, description="A step the PRM scores at least this is kept at once.")
     max_steps: int = Field(32, ge=1, description="Steps per sample at most.")
+    redraw_temperature: float | None = Field(
+        None, ge=0.0, description="Temperature of the redraws of a step the PRM rejects (null: generate.temperature): "
+                                  "higher explores away from the flagged mistake.")
 
 
 class GenerateConfig(_Section):

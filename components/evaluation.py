@@ -55,7 +55,15 @@ def evaluate(
         samples_by_problem[t["problem_id"]].append(t)
     level_of = {p.problem_id: p.level for p in problems}
     for t in greedy.trajectories:
-        per_level[t["level"]]["greedy_acc"].append(float(correct[t["trajectory_id"]]))
+        right = correct[t["trajectory_id"]]
+        per_level[t["level"]]["greedy_acc"].append(float(right))
+        # Where the domain has a step checker: right answers whose worked steps also check out (the skipped
+        # operations and cancelling slips an outcome verifier lets through), for evaluation only.
+        sound = domain.check_steps(t["prompt"], t["completion"])
+        if sound is not None:
+            per_level[t["level"]]["greedy_sound_acc"].append(float(right and sound))
+            if right:
+                per_level[t["level"]]["greedy_unsound_rate"].append(float(not sound))
     if maj_k > 1:
         for p in problems:
             group = sorted(samples_by_problem[p.problem_id], key=lambda t: t["sample_index"])[:maj_k]

@@ -13,9 +13,12 @@ from typing import Any
 def rft_filter(
     trajectories: list[dict[str, Any]], correct: dict[str, bool | None], scores: dict[str, float], *,
     experiment: str, round: int, dedup: bool, max_per_problem: int,
-    steps_ok: dict[str, bool | None] | None = None,
+    step_rejects: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for `selections` with purpose `policy_sft`.
+
+    `step_rejects` maps a trajectory to why its steps are judged wrong, naming the judge (the domain's
+    step checker, Monte Carlo labels, a reward model): a right answer in it is dropped with that reason.
 
     >>> ts = [{"trajectory_id": t, "problem_id": "p", "completion": c, "sample_index": i}
     ...       for i, (t, c) in enumerate([("a", "x"), ("b", "x"), ("c", "y"), ("d", "z")])]
@@ -35,8 +38,8 @@ def rft_filter(
                 reason, keep = "unverified", False
             elif not ok:
                 reason, keep = "incorrect", False
-            elif steps_ok is not None and steps_ok.get(tid) is False:
-                reason, keep = "steps do not check", False
+            elif step_rejects and tid in step_rejects:
+                reason, keep = step_rejects[tid], False
             elif dedup and t["completion"] in seen:
                 reason, keep = "duplicate", False
             elif rank >= max_per_problem:
@@ -52,6 +55,59 @@ def rft_filter(
             rank += keep
     rows.sort(key=lambda r: r["trajectory_id"])
     return rows
+
+
+CHECKER = "steps do not check"  # the reason the domain's step checker gives
+
+
+def step_rejects(
+    trajectory_ids: list[str], *, checker: dict[str, bool | None] | None = None,
+    mc_dead_step: dict[str, int] | None = None, prm_min: dict[str, float] | None = None,
+    min_step_score: float | None = None,
+) -> dict[str, str]:
+    """Why each trajectory's steps are judged wrong, naming every judge that rejects it: the domain's step
+    checker (`checker`: False rejects), Monte Carlo labels (`mc_dead_step`: the first step no rollout got
+    past) and the PRM (`prm_min`, its weakest step's score, below `min_step_score`). Absent: no judge
+    objects.
+
+    >>> step_rejects(["a", "b", "c"], checker={"a": False, "b": True}, mc_dead_step={"c": 1},
+    ...              prm_min={"a": 0.9, "b": 0.125, "c": 0.2}, min_step_score=0.5)
+    {'a': 'steps do not check', 'b': 'prm: weakest step 0.125 < min_step_score 0.5', \
+'c': 'mc_hard: no rollout from step 1 reached the answer; prm: weakest step 0.200 < min_step_score 0.5'}
+    """
+    out = {}
+    for tid in trajectory_ids:
+        why = []
+        if checker is not None and checker.get(tid) is False:
+            why.append(CHECKER)
+        if mc_dead_step and tid in mc_dead_step:
+            why.append(f"mc_hard: no rollout from step {mc_dead_step[tid]} reached the answer")
+        if min_step_score is not None and prm_min and tid in prm_min and prm_min[tid] < min_step_score:
+            why.append(f"prm: weakest step {prm_min[tid]:.3f} < min_step_score {min_step_score:g}")
+        if why:
+            out[tid] = "; ".join(why)
+    return out
+
+
+def judge_catch_rates(correct: dict[str, bool | None], checker: dict[str, bool | None],
+                      judged: dict[str, str]) -> dict[str, float]:
+    """How well the learned judges (`judged`: step rejects without the checker's) agree with the domain's
+    step checker on the right answers, for evaluation only: the catch rate is the share of right answers
+    with unsound steps that they reject, the false-reject rate the share of sound ones they reject.
+
+    >>> judge_catch_rates({"a": True, "b": True, "c": True, "d": False}, {"a": False, "b": True, "c": True,
+    ...                   "d": False}, {"a": "prm: ...", "c": "prm: ...", "d": "prm: ..."})
+    {'right_answers': 3.0, 'right_unsound': 1.0, 'judge_catch_rate': 1.0, 'judge_false_reject_rate': 0.5}
+    """
+    right = [t for t, ok in correct.items() if ok and checker.get(t) is not None]
+    bad = [t for t in right if checker[t] is False]
+    good = [t for t in right if checker[t] is True]
+    out = {"right_answers": float(len(right)), "right_unsound": float(len(bad))}
+    if bad:
+        out["judge_catch_rate"] = sum(t in judged for t in bad) / len(bad)
+    if good:
+        out["judge_false_reject_rate"] = sum(t in judged for t in good) / len(good)
+    return out
 
 
 def dpo_pairs(

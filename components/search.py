@@ -45,9 +45,11 @@ class _State:
 def prm_step_search(domain: Domain, backend: GenerationBackend,
                     score_steps: Callable[[list[str], list[list[str]]], list[list[float]]], prompts: list[str], *,
                     n: int, max_tries: int, threshold: float, temperature: float, top_p: float, max_new_tokens: int,
-                    seed: int, max_steps: int = 32,
+                    seed: int, max_steps: int = 32, redraw_temperature: float | None = None,
                     progress: Callable[[str], None] | None = None) -> tuple[list[list[Sample]], dict[str, Any]]:
-    """`n` PRM-guided samples per prompt (see the module docstring), and what the search cost."""
+    """`n` PRM-guided samples per prompt (see the module docstring), and what the search cost. A step the PRM
+    rejects is redrawn at `redraw_temperature` (default: `temperature`): hotter, to explore where the PRM
+    flagged a mistake rather than repeat it."""
     if max_tries < 1:
         raise ValueError(f"prm_step_search: max_tries must be >= 1, got {max_tries}")
     states = [_State(p, domain.step_separator) for p in prompts for _ in range(n)]
@@ -62,7 +64,8 @@ def prm_step_search(domain: Domain, backend: GenerationBackend,
         for attempt in range(max_tries):
             if not pending:
                 break
-            outs = backend.generate([active[j].prompt + active[j].text for j in pending], n=1, temperature=temperature,
+            t = temperature if attempt == 0 or redraw_temperature is None else redraw_temperature
+            outs = backend.generate([active[j].prompt + active[j].text for j in pending], n=1, temperature=t,
                                     top_p=top_p, max_new_tokens=max(1, max_new_tokens - min(active[j].tokens
                                                                                              for j in pending)),
                                     seed=seed_stream(seed, step, attempt), stop=[domain.step_separator])

@@ -27,7 +27,7 @@ def plan(p: Planner) -> Inputs:
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.filtering import dpo_pairs, rft_filter
+    from components.filtering import dpo_pairs, judge_catch_rates, rft_filter, step_rejects
     from components.reward_eval import repeated_step_rate
     from components.scoring import outcome_scores
 
@@ -38,26 +38,30 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     scored = spec.has("score")
     scores, source = ranking_scores(spec.rows("score", "scores") if scored else outcome_scores(vers),
                                     spec.rows("score", "step_labels") if scored else [], f.rank_by)
-    steps_ok: dict[str, bool | None] | None = None
-    if f.check_steps:
-        domain = domain_of(spec)
-        steps_ok = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
-    bad: set[str] = set()
-    if f.drop_mc_bad_steps and scored:
-        bad |= {lab["trajectory_id"] for lab in spec.rows("score", "step_labels")
-                if lab["source"] == "mc_hard" and lab["value"] == 0.0}
-    if f.min_step_score is not None and scored:
-        bad |= {s["trajectory_id"] for s in spec.rows("score", "scores") if s["scorer"] == "prm"
-                and s["aggregate"] == "min" and s["value"] < f.min_step_score}
-    if bad:
-        steps_ok = {t["trajectory_id"]: (steps_ok or {}).get(t["trajectory_id"]) is not False
-                    and t["trajectory_id"] not in bad for t in trajs}
+    domain = domain_of(spec)
+    checker = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
+    has_checker = any(v is not None for v in checker.values())
+    labels = spec.rows("score", "step_labels") if scored else []
+    mc_dead: dict[str, int] = {}
+    if f.drop_mc_bad_steps:
+        for lab in sorted(labels, key=lambda r: r["step_index"]):
+            if lab["source"] == "mc_hard" and lab["value"] == 0.0:
+                mc_dead.setdefault(lab["trajectory_id"], lab["step_index"])
+    prm_min = {s["trajectory_id"]: s["value"] for s in (spec.rows("score", "scores") if scored else [])
+               if s["scorer"] == "prm" and s["aggregate"] == "min"}
+    ids = [t["trajectory_id"] for t in trajs]
+    # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
+    judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=f.min_step_score)
+    rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, prm_min=prm_min,
+                           min_step_score=f.min_step_score)
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
-                      dedup=f.dedup, max_per_problem=f.max_per_problem, steps_ok=steps_ok)
+                      dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
     n_sel = sum(r["selected"] for r in rows)
     metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
+    if has_checker:  # evaluation only: the checker measures the learned judges, whether or not it filters
+        metrics |= judge_catch_rates(correct, checker, judged)
     if f.dpo_pairs:
-        eligible = {t["trajectory_id"]: (steps_ok or {}).get(t["trajectory_id"]) is not False for t in trajs}
+        eligible = {tid: tid not in rejects for tid in ids}
         pairs = dpo_pairs(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
                           max_pairs_per_problem=f.max_pairs_per_problem, eligible=eligible)
         rows += pairs

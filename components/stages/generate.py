@@ -90,13 +90,14 @@ def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str,
     s = spec.cfg().generate.search
     scorer = reward_model_of(spec, "prm", inp.search_prm_uri)  # no max_length: each new step is scored
     log("generate", f"PRM-guided steps ({inp.search_prm_id}): up to {s.max_tries} draws "
-                    f"per step, keep at P(good) >= {s.threshold}")
+                    f"per step, keep at P(good) >= {s.threshold}"
+                    + (f", redraw at temperature {s.redraw_temperature}" if s.redraw_temperature is not None else ""))
 
     def search(prompts, n, temperature, top_p, max_new_tokens, seed, stop=None):
         out, got = prm_step_search(domain, backend, scorer.score_steps, prompts, n=n, max_tries=s.max_tries,
                                    threshold=s.threshold, temperature=temperature, top_p=top_p,
                                    max_new_tokens=max_new_tokens, seed=seed, max_steps=s.max_steps,
-                                   progress=lambda msg: log("generate", msg))
+                                   redraw_temperature=s.redraw_temperature, progress=lambda msg: log("generate", msg))
         for k, v in got.items():  # summed over waves (generate.until_correct)
             stats[k] = stats.get(k, 0) + v
         return out

@@ -253,12 +253,13 @@ def test_check_steps_agrees_with_the_oracle_labels():
 
 
 def test_filter_drops_right_answers_with_wrong_steps():
-    from components.filtering import rft_filter
+    from components.filtering import rft_filter, step_rejects
 
     ts = [{"trajectory_id": t, "problem_id": "p", "completion": c, "sample_index": i}
           for i, (t, c) in enumerate([("a", "3+4=8\n8-3=5\n#### 5\n"), ("b", "3+4=7\n7-2=5\n#### 5\n")])]
     d = ArithDomain()
     rows = rft_filter(ts, {"a": True, "b": True}, {}, experiment="e", round=1, dedup=True, max_per_problem=4,
-                      steps_ok={t["trajectory_id"]: d.check_steps("3+4-2\n", t["completion"]) for t in ts})
+                      step_rejects=step_rejects(["a", "b"], checker={t["trajectory_id"]: d.check_steps(
+                          "3+4-2\n", t["completion"]) for t in ts}))
     assert [(r["trajectory_id"], r["selected"], r["reason"]) for r in rows] == [
         ("a", False, "steps do not check"), ("b", True, "correct")]

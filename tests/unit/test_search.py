@@ -17,11 +17,12 @@ class StepScript:
     """A test double of `GenerationBackend`: per prompt, the next step for each successive call."""
 
     def __init__(self, script: dict[str, list[str]]):
-        self.script, self.calls = {k: list(v) for k, v in script.items()}, []
+        self.script, self.calls, self.temperatures = {k: list(v) for k, v in script.items()}, [], []
 
     def generate(self, prompts, n, temperature, top_p, max_new_tokens, seed, stop=None):
         assert n == 1 and stop == ["\n"]
         self.calls.append((list(prompts), seed))
+        self.temperatures.append(temperature)
         # The stop string is cut from the text but its token counts, as the real backends do.
         return [[Sample(t, len(t) + 1, "stop")] for t in (self.script[p].pop(0) for p in prompts)]
 
@@ -43,6 +44,17 @@ def test_a_wrong_step_is_redrawn_and_every_draw_is_paid_for():
     assert stats["generated_tokens"] == stats["accepted_tokens"] + stats["discarded_tokens"] == 37
     # Each (step, try) call has its own seed; the answer line ends the sample (no further call).
     assert len(backend.calls) == 6 and len({seed for _, seed in backend.calls}) == 6
+
+
+def test_a_flagged_step_is_redrawn_at_the_redraw_temperature():
+    p = "3+4-2\n"
+    backend = StepScript({p: ["3+4=8", "3+4=7"], p + "3+4=7\n": ["7-2=5"], p + "3+4=7\n7-2=5\n": ["#### 5"]})
+    scores = {"3+4=8": 0.2, "3+4=7": 0.9, "7-2=5": 0.9, "#### 5": 0.9}
+    samples, _ = prm_step_search(ArithDomain(), backend, lambda ps, ss: [[scores[s[-1]]] for s in ss], [p], n=1,
+                                 max_tries=2, threshold=0.5, temperature=0.8, top_p=1.0, max_new_tokens=64, seed=0,
+                                 redraw_temperature=1.3)
+    assert samples[0][0].text == "3+4=7\n7-2=5\n#### 5\n"
+    assert backend.temperatures == [0.8, 1.3, 0.8, 0.8]  # only the redraw of the flagged first step is hotter
 
 
 def test_search_stops_at_the_token_budget():

@@ -1,0 +1,263 @@
+"""Does the PRM earn its keep where no hand-written step checker exists? All arms, one command.
+
+    .venv/bin/python benchmarks/prm_without_checker.py --parallel 2             # every arm, seeds 0 and 1
+    .venv/bin/python benchmarks/prm_without_checker.py --only coevo-outcome --seeds 0
+    .venv/bin/python benchmarks/prm_without_checker.py --report-only
+
+The embedded arith task (configs/arith.yaml, configs/arith-coevo.yaml). Every arm starts from ONE bootstrap
+(`prm-boot`, run first: round 0 of configs/arith.yaml), samples as arith-coevo.yaml does (one draw at a time,
+up to 4, until a problem has a right answer) for the same number of rounds, and counts the same tokens
+(sampling, Monte Carlo rollouts and discarded search draws). The arms differ only in this:
+
+- `rft-outcome`: rft with the outcome verifier alone (`filter.check_steps=false`);
+- `coevo-outcome`: coevo with `check_steps=false`; its PRM, trained on Monte Carlo labels (and the round-0
+  demonstrations, as arith-coevo.yaml does), never on oracle labels or the checker, decides which right
+  answers to keep (`filter.min_step_score`) and ranks them;
+- `coevo-explore`: coevo-outcome whose sampler redraws the step the PRM flags, at a higher temperature
+  (`generate.search.redraw_temperature`);
+- `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
+
+Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
+Then, from the store, it prints per arm and round the cumulative tokens, held-out greedy accuracy (all levels,
+hardest level), the share of right greedy answers whose steps do not check (skipped operations, cancelling
+slips), and the filter's catch rate (the share of right answers with unsound steps that the learned judges
+reject, against the share of sound ones they reject); then the seed-to-seed spread, and last the recovery
+ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens.
+It writes `prm_without_checker.png` and `.json` beside the store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BOOT = "prm-boot"
+# The PRM's verdict on a step is P(good); a right answer whose weakest step it scores below one half is dropped.
+PRM_FILTER = ["filter.check_steps=false", "filter.min_step_score=0.5"]
+ARMS: dict[str, tuple[str, list[str]]] = {
+    "rft-outcome": ("configs/arith.yaml", ["filter.check_steps=false"]),
+    "coevo-outcome": ("configs/arith-coevo.yaml", PRM_FILTER),
+    "coevo-explore": ("configs/arith-coevo.yaml",
+                      [*PRM_FILTER, 'generate.search={"max_tries": 2, "threshold": 0.5, "redraw_temperature": 1.2}']),
+    "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
+}
+COEVO_ARMS = ("coevo-outcome", "coevo-explore")
+
+
+def _sampler() -> list[str]:
+    """arith-coevo.yaml's sampler, read from it, so the rft arms sample as the coevo arms do."""
+    from components.config import load_config
+
+    g = load_config(REPO / "configs" / "arith-coevo.yaml").generate
+    return [f"generate.samples_per_problem={g.samples_per_problem}", f"generate.until_correct={g.until_correct}",
+            f"generate.wave_size={g.wave_size}"]
+
+
+def experiment(arm: str, seed: int) -> str:
+    return f"prm-{arm}-s{seed}"
+
+
+def _command(config: str, sets: list[str], workdir: Path, name: str) -> tuple[list[str], dict[str, str]]:
+    # One DuckDB store (commits retry on its lock), one MLflow SQLite file per run: two processes creating and
+    # migrating one SQLite file at once fail.
+    sets = [*sets, f"workdir={workdir}", f"tracking.tracking_uri=sqlite:///{workdir / f'mlflow-{name}.db'}"]
+    cmd = [str(Path(sys.executable).parent / "coevo"), "run", "--config", str(REPO / config)]
+    for s in sets:
+        cmd += ["--set", s]
+    env = os.environ | {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180", "COEVO_TORCH_THREADS": "1",
+                        "PREFECT_HOME": str(workdir / ".prefect" / name)}
+    Path(env["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    return cmd, env
+
+
+def _run_all(jobs: dict[str, tuple[list[str], dict[str, str]]], workdir: Path, parallel: int) -> None:
+    """Each job a `coevo run` process, at most `parallel` at once; exits naming the first that fails."""
+    todo, running = list(jobs), {}
+    while todo or running:
+        while todo and len(running) < parallel:
+            name = todo.pop(0)
+            cmd, env = jobs[name]
+            log = open(workdir / f"{name}.log", "w")
+            print(f"[{name}] {' '.join(cmd)}  (log: {log.name})", flush=True)
+            running[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        time.sleep(2)
+        for name, p in list(running.items()):
+            if p.poll() is not None:
+                del running[name]
+                if p.returncode != 0:
+                    for other in running.values():
+                        other.terminate()
+                    sys.exit(f"[{name}] failed (exit {p.returncode}); see {workdir / f'{name}.log'}")
+                print(f"[{name}] done", flush=True)
+
+
+def run(workdir: Path, arms: list[str], seeds: list[int], rounds: int, parallel: int) -> None:
+    from components.store import Store
+
+    cmd, env = _command("configs/arith.yaml", [f"experiment={BOOT}", "rounds=0"], workdir, BOOT)
+    _run_all({BOOT: (cmd, env)}, workdir, 1)
+    boot = Store(workdir / "coevo.duckdb").committed_model(BOOT, 0, "policy")
+    start = [f"policy.model={boot['uri']}", "bootstrap.steps=0", f"rounds={rounds}", *_sampler()]
+    jobs = {}
+    for seed in seeds:
+        for arm in arms:
+            config, sets = ARMS[arm]
+            name = experiment(arm, seed)
+            jobs[name] = _command(config, [f"experiment={name}", f"seed={seed}", *start, *sets], workdir, name)
+    _run_all(jobs, workdir, parallel)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+def _rounds(store, name: str) -> list[dict]:
+    rows = store.rows("SELECT round, budget_tokens, greedy_acc, greedy_acc_by_level FROM v_round_summary "
+                      "WHERE experiment_id = ? ORDER BY round", [name])
+    ev = {(r, m): v for r, m, v in store.query(
+        "SELECT round, metric, value FROM evaluations WHERE experiment_id = ? AND level = -1 "
+        "AND metric IN ('greedy_unsound_rate', 'greedy_sound_acc')", [name])[1]}
+    filt = {r: json.loads(m) for r, m in store.query(
+        "SELECT round, metrics_json FROM stage_runs WHERE experiment_id = ? AND stage = 'filter' "
+        "AND status = 'committed'", [name])[1]}
+    total = 0
+    for r in rows:
+        total += int(r["budget_tokens"] or 0)
+        f = filt.get(r["round"], {})
+        r |= {"cum_tokens": total, "hard_acc": r["greedy_acc_by_level"][max(r["greedy_acc_by_level"])],
+              "unsound": ev.get((r["round"], "greedy_unsound_rate")),
+              "sound_acc": ev.get((r["round"], "greedy_sound_acc")),
+              "right_unsound": f.get("right_unsound"), "right_answers": f.get("right_answers"),
+              "catch": f.get("judge_catch_rate"), "false_reject": f.get("judge_false_reject_rate")}
+    return rows
+
+
+def _pooled(rows: list[dict]) -> tuple[float | None, float | None]:
+    """Catch and false-reject rates over all rounds, weighted by the right answers they are shares of."""
+    bad = [(r["catch"], r["right_unsound"]) for r in rows if r["catch"] is not None]
+    good = [(r["false_reject"], r["right_answers"] - r["right_unsound"]) for r in rows if r["false_reject"] is not None]
+    n_bad, n_good = sum(n for _, n in bad), sum(n for _, n in good)
+    return (sum(c * n for c, n in bad) / n_bad if n_bad else None,
+            sum(c * n for c, n in good) / n_good if n_good else None)
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(workdir: Path, seeds: list[int]) -> dict:
+    from components.plots import _save, plt
+    from components.store import Store
+
+    store = Store(workdir / "coevo.duckdb")
+    data = {(arm, s): rows for arm in ARMS for s in seeds if (rows := _rounds(store, experiment(arm, s)))}
+    print("\n== per round: cumulative tokens, held-out greedy accuracy, unsound right answers, the filter's judges ==")
+    print(f"{'arm':<14} {'seed':>4} {'round':>5} {'cum tokens':>11} {'all':>6} {'hard':>6} {'unsound':>8} "
+          f"{'right bad/all':>14} {'catch':>6} {'false rej':>9}")
+    for (arm, s), rows in data.items():
+        for r in rows:
+            counts = "" if r["right_answers"] is None else f"{r['right_unsound']:.0f}/{r['right_answers']:.0f}"
+            print(f"{arm:<14} {s:>4} {r['round']:>5} {r['cum_tokens']:>11,} {r['greedy_acc']:>6.3f} "
+                  f"{r['hard_acc']:>6.3f} {_f(r['unsound']):>8} {counts:>14} {_f(r['catch']):>6} "
+                  f"{_f(r['false_reject']):>9}")
+    final: dict[str, dict] = {}
+    for arm in ARMS:
+        runs = [data[(arm, s)] for s in seeds if (arm, s) in data]
+        if not runs:
+            continue
+        last = [rows[-1] for rows in runs]
+        catch = [_pooled(rows) for rows in runs]
+        final[arm] = {
+            "seeds": [s for s in seeds if (arm, s) in data], "rounds": last[0]["round"],
+            "all": mean(r["greedy_acc"] for r in last), "hard": mean(r["hard_acc"] for r in last),
+            "all_spread": max(r["greedy_acc"] for r in last) - min(r["greedy_acc"] for r in last),
+            "hard_spread": max(r["hard_acc"] for r in last) - min(r["hard_acc"] for r in last),
+            "unsound": mean(r["unsound"] for r in last) if all(r["unsound"] is not None for r in last) else None,
+            "tokens": mean(r["cum_tokens"] for r in last),
+            "catch": mean(c for c, _ in catch) if all(c is not None for c, _ in catch) else None,
+            "false_reject": mean(f for _, f in catch) if all(f is not None for _, f in catch) else None,
+            "per_seed": {s: {"all": data[(arm, s)][-1]["greedy_acc"], "hard": data[(arm, s)][-1]["hard_acc"],
+                             "tokens": data[(arm, s)][-1]["cum_tokens"]} for s in seeds if (arm, s) in data},
+        }
+    print("\n== final round, mean over seeds (spread: max - min over seeds) ==")
+    print(f"{'arm':<14} {'seeds':>6} {'all':>6} {'spread':>7} {'hard':>6} {'spread':>7} {'unsound':>8} {'tokens':>10}")
+    for arm, f in final.items():
+        print(f"{arm:<14} {len(f['seeds']):>6} {f['all']:>6.3f} {f['all_spread']:>7.3f} {f['hard']:>6.3f} "
+              f"{f['hard_spread']:>7.3f} {_f(f['unsound']):>8} {f['tokens']:>10,.0f}")
+    out: dict = {"final": final, "recovery": {}}
+    if data:
+        _plot(data, workdir, _save, plt)
+    base, ref = final.get("rft-outcome"), final.get("rft-checker")
+    print("\n== recovery, catch rate and tokens (goals: recovery >= 0.75 on both, catch >= 0.80 with <= 0.10 of "
+          "good ones rejected, tokens <= rft-outcome's) ==")
+    for arm in (a for a in COEVO_ARMS if a in final):
+        f = final[arm]
+        rec = {}
+        for key in ("all", "hard"):
+            if base and ref:
+                gain = ref[key] - base[key]
+                spread = max(base[f"{key}_spread"], ref[f"{key}_spread"], f[f"{key}_spread"])
+                rec[key] = {"ratio": (f[key] - base[key]) / gain if gain else None, "checker_gain": gain,
+                            "arm_minus_outcome": f[key] - base[key], "seed_spread": spread}
+        out["recovery"][arm] = rec | {"catch": f["catch"], "false_reject": f["false_reject"], "tokens": f["tokens"],
+                                      "rft_outcome_tokens": base["tokens"] if base else None}
+        for key, label in (("all", "all levels"), ("hard", "hardest level")):
+            if key in rec:
+                r = rec[key]
+                tie = (" (a tie: the checker's gain is within the seed spread)"
+                       if abs(r["checker_gain"]) <= r["seed_spread"] else "")
+                print(f"{arm} [{label}]: recovery {_f(r['ratio'], '.2f')} = ({f[key]:.3f} - {base[key]:.3f}) / "
+                      f"({ref[key]:.3f} - {base[key]:.3f}); seed spread {r['seed_spread']:.3f}{tie}")
+        print(f"{arm}: catch rate {_f(f['catch'])}, good ones rejected {_f(f['false_reject'])}; tokens "
+              f"{f['tokens']:,.0f} vs rft-outcome {base['tokens'] if base else float('nan'):,.0f}")
+    (workdir / "prm_without_checker.json").write_text(json.dumps(out, indent=2, default=str))
+    print(f"\nplot: {workdir / 'prm_without_checker.png'}\njson: {workdir / 'prm_without_checker.json'}")
+    return out
+
+
+def _plot(data: dict, workdir: Path, save, plt) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), dpi=110)
+    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    panels = (("greedy_acc", "held-out greedy accuracy, all levels (%)"),
+              ("hard_acc", "held-out greedy accuracy, hardest level (%)"),
+              ("unsound", "right greedy answers whose steps do not check (%)"))
+    for ax, (key, label) in zip(axes, panels):
+        for (arm, s), rows in data.items():
+            pts = [(r["cum_tokens"] / 1000, 100 * r[key]) for r in rows if r[key] is not None]
+            ax.plot(*zip(*pts), marker="o", color=colors[arm], linestyle="-" if s == min(x for _, x in data) else "--",
+                    label=f"{arm} (seed {s})")
+        ax.set_xlabel("cumulative generated tokens, rollouts included (thousands)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Without a step checker: the outcome verifier alone, the PRM as the judge, and the checker")
+    save(fig, workdir / "prm_without_checker.png")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", type=Path, default=REPO / "workdir" / "prm-bench")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds of every arm")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--only", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    ap.add_argument("--parallel", type=int, default=1, help="runs at once (one torch thread each)")
+    ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
+    args = ap.parse_args()
+    args.workdir = args.workdir.resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    if not args.report_only:
+        t0 = time.perf_counter()
+        run(args.workdir, args.only, args.seeds, args.rounds, args.parallel)
+        print(f"runs done in {time.perf_counter() - t0:.0f}s")
+    report(args.workdir, args.seeds)
+
+
+if __name__ == "__main__":
+    main()
