@@ -15,6 +15,8 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   answers to keep (`filter.min_step_score`) and ranks them;
 - `coevo-explore`: coevo-outcome whose sampler redraws the step the PRM flags, at a higher temperature
   (`generate.search.redraw_temperature`);
+- `coevo-stepdpo`: coevo-outcome whose policy, after its SFT, trains by DPO on step-level pairs from the Monte
+  Carlo search (`filter.step_dpo_pairs`, `train_policy.method=sft+dpo`; Step-DPO, MCTS-DPO);
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -48,9 +50,12 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "coevo-outcome": ("configs/arith-coevo.yaml", PRM_FILTER),
     "coevo-explore": ("configs/arith-coevo.yaml",
                       [*PRM_FILTER, 'generate.search={"max_tries": 2, "threshold": 0.5, "redraw_temperature": 1.2}']),
+    # coevo-outcome whose policy also trains by DPO on the Monte Carlo search's step-level pairs, after its SFT.
+    "coevo-stepdpo": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.step_dpo_pairs=true",
+                                                   "train_policy.method=sft+dpo"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-COEVO_ARMS = ("coevo-outcome", "coevo-explore")
+COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo")
 
 
 def _sampler() -> list[str]:

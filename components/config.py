@@ -214,6 +214,11 @@ class FilterConfig(_Section):
     dpo_pairs: bool = Field(False, description="Also select DPO pairs: per problem, the best-scored correct "
                                                "trajectory against the worst-scored incorrect one.")
     max_pairs_per_problem: int = Field(1, ge=1)
+    step_dpo_pairs: bool = Field(
+        False, description="Also select the Monte Carlo search's step-level pairs (score.mc_strategy=first_error): at "
+                           "each searched wrong answer's first dead step, a continuation that succeeded from the live "
+                           "prefix against the failed one (Step-DPO, MCTS-DPO); train_policy.method dpo or sft+dpo "
+                           "trains on them.")
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
     check_steps: bool = Field(
@@ -406,8 +411,15 @@ class ExperimentConfig(_Section):
         from components.recipes import get_recipe
 
         get_recipe(self.recipe).check(self)
-        if self.train_policy.method != "sft" and not self.filter.dpo_pairs:
-            raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set filter.dpo_pairs=true")
+        if self.train_policy.method != "sft" and not (self.filter.dpo_pairs or self.filter.step_dpo_pairs):
+            raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set "
+                             "filter.dpo_pairs=true or filter.step_dpo_pairs=true")
+        if self.filter.step_dpo_pairs and (self.score.mc_strategy != "first_error" or self.score.mc_rollouts < 1):
+            raise ValueError("filter.step_dpo_pairs takes its pairs from the Monte Carlo search: set "
+                             "score.mc_strategy=first_error and score.mc_rollouts >= 1")
+        if self.filter.step_dpo_pairs and self.train_policy.method == "sft":
+            raise ValueError("filter.step_dpo_pairs selects pairs that only DPO trains on: set "
+                             "train_policy.method=sft+dpo (or dpo)")
         if self.score.mc_strategy == "first_error" and self.train_reward.label_source != "mc_hard":
             raise ValueError("score.mc_strategy='first_error' gives hard labels only: set "
                              "train_reward.label_source=mc_hard, or score.mc_strategy=every_prefix")

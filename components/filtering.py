@@ -117,7 +117,7 @@ def dpo_pairs(
     """Rows for `selections` with purposes `dpo_chosen` and `dpo_rejected`, joined by `pair_id`.
 
     Per problem: the best-scored eligible correct trajectories against the worst-scored incorrect
-    ones (ties: sample order), distinct texts only, at most `max_pairs_per_problem` pairs. `eligible`
+    non-empty ones (ties: sample order), distinct texts only, at most `max_pairs_per_problem` pairs. `eligible`
     (e.g. the SFT filter's verdict, so a chosen answer's steps also check out) defaults to correct.
     Only trajectories in a pair get a row: the SFT filter's rows already explain the rest.
 
@@ -133,7 +133,8 @@ def dpo_pairs(
     for pid, order in _ranked_by_problem(trajectories, scores):
         good = _distinct_texts([t for t in order if correct.get(t["trajectory_id"]) and eligible.get(t["trajectory_id"])])
         worst_first = sorted(order, key=lambda t: (scores.get(t["trajectory_id"], 0.0), t["sample_index"]))
-        bad = _distinct_texts([t for t in worst_first if correct.get(t["trajectory_id"]) is False])
+        # An empty answer (EOS at once) has no text to train against: DPO needs both sides written.
+        bad = _distinct_texts([t for t in worst_first if correct.get(t["trajectory_id"]) is False and t["completion"]])
         for j, (g, b) in enumerate(zip(good, bad)):
             if j >= max_pairs_per_problem:
                 break
@@ -142,6 +143,21 @@ def dpo_pairs(
                 rows.append({"trajectory_id": t["trajectory_id"], "experiment_id": experiment, "round": round,
                              "purpose": purpose, "selected": True, "rank": j, "reason": why, "pair_id": pair})
     return rows
+
+
+def step_pair_selections(step_pairs: list[dict[str, Any]], *, experiment: str, round: int) -> list[dict[str, Any]]:
+    """`selections` rows (purpose `step_dpo`) for the Monte Carlo search's step-level pairs: one per pair, on
+    its rejected trajectory, ranked by the dead step's index.
+
+    >>> step_pair_selections([{"trajectory_id": "t", "step_index": 2, "chosen_from": "rollout"}], experiment="e",
+    ...                      round=1)[0]["reason"]
+    'first dead step 2; chosen: a rollout of the live prefix'
+    """
+    return [{"trajectory_id": p["trajectory_id"], "experiment_id": experiment, "round": round, "purpose": "step_dpo",
+             "selected": True, "rank": p["step_index"], "pair_id": f"{experiment}/r{round}/{p['trajectory_id']}/step",
+             "reason": f"first dead step {p['step_index']}; chosen: "
+                       + ("a rollout of the live prefix" if p["chosen_from"] == "rollout" else p["chosen_from"])}
+            for p in sorted(step_pairs, key=lambda p: p["trajectory_id"])]
 
 
 def _distinct_texts(group: list[dict[str, Any]]) -> list[dict[str, Any]]:

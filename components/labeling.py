@@ -46,18 +46,22 @@ def _rows(tid: str, i: int, soft: float, hard: float, n: int) -> list[dict[str, 
 
 
 def _rollout_values(domain: Domain, backend: GenerationBackend, slots: list[tuple[str, str, str]], k: int,
-                    temperature: float, max_new_tokens: int, seed: int) -> tuple[list[tuple[float, float]], int]:
+                    temperature: float, max_new_tokens: int,
+                    seed: int) -> tuple[list[tuple[float, float]], int, list[str | None]]:
     """(soft, hard) value of each (prompt, steps so far, reference) slot from k verified rollouts, all
-    in ONE `generate` call, and the tokens the rollouts generated."""
+    in ONE `generate` call, the tokens the rollouts generated, and each slot's first rollout that reached
+    the answer (None: none did)."""
     if not slots:
-        return [], 0
+        return [], 0, []
     samples = backend.generate([p + done for p, done, _ in slots], n=k, temperature=temperature, top_p=1.0,
                                max_new_tokens=max_new_tokens, seed=seed)
     # Verify the solution text (steps so far + continuation), not the prompt: the prompt holds numbers too.
     outcomes = domain.verify([done + s.text for (_, done, _), per in zip(slots, samples) for s in per],
                              [ref for (_, _, ref) in slots for _ in range(k)])
     values = [mc_value(outcomes[j * k:(j + 1) * k]) for j in range(len(slots))]
-    return values, sum(s.num_tokens for per in samples for s in per)
+    wins = [next((s.text for s, ok in zip(per, outcomes[j * k:(j + 1) * k]) if ok), None)
+            for j, per in enumerate(samples)]
+    return values, sum(s.num_tokens for per in samples for s in per), wins
 
 
 def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[str, Any]], k: int, temperature: float,
@@ -77,7 +81,7 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
     for it in items:
         for i in range(len(it["steps"]) - 1):
             slots.setdefault((it["prompt"], _text(it["steps"][:i + 1], domain.step_separator), it["answer_ref"]), len(slots))
-    values, tokens = _rollout_values(domain, backend, list(slots), k, temperature, max_new_tokens, seed)
+    values, tokens, _ = _rollout_values(domain, backend, list(slots), k, temperature, max_new_tokens, seed)
     finals = domain.verify([_text(it["steps"], domain.step_separator) for it in items], [it["answer_ref"] for it in items]) if items else []
 
     rows: list[dict[str, Any]] = []
@@ -96,8 +100,9 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
 
 def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: list[dict[str, Any]], k: int,
                           temperature: float, max_new_tokens: int,
-                          seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """`mc_hard` rows for every step, from rollouts at O(log n) prefixes of the wrong trajectories only.
+                          seed: int) -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]]]:
+    """`mc_hard` rows for every step, from rollouts at O(log n) prefixes of the wrong trajectories only, the
+    search's stats, and its step-level preference pairs (`step_pairs` rows, see `_step_pairs`).
 
     Two facts make most of `mc_step_labels`' rollouts redundant for hard labels:
 
@@ -129,6 +134,7 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
     bounds = {j: [0, len(it["steps"]) - 1] for j, (it, ok) in enumerate(zip(items, finals))
               if not ok and j not in dead_root}
     value: dict[tuple[str, str, str], float] = {}  # (prompt, steps so far, reference) -> hard value
+    win: dict[tuple[str, str, str], str | None] = {}  # ... -> a rollout from there that reached the answer
     rolled: set[tuple[str, int]] = set()          # (trajectory, step) whose prefix was rolled out
     stats = {"trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": 0,
              "rollouts": 0, "generated_tokens": 0, "search_levels": 0, "dead_root": len(dead_root)}
@@ -136,9 +142,10 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
         mids = {j: (lo + hi) // 2 for j, (lo, hi) in bounds.items() if lo < hi}
         keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1], domain.step_separator), items[j]["answer_ref"]) for j, m in mids.items()}
         todo = sorted({key for key in keys.values() if key not in value})  # empty when all were rolled out
-        values, tokens = _rollout_values(domain, backend, todo, k, temperature, max_new_tokens,
-                                         seed_stream(seed, stats["search_levels"]))
+        values, tokens, wins = _rollout_values(domain, backend, todo, k, temperature, max_new_tokens,
+                                               seed_stream(seed, stats["search_levels"]))
         value |= {key: hard for key, (_, hard) in zip(todo, values)}
+        win |= dict(zip(todo, wins))
         stats["unique_prefixes"] += len(todo)
         stats["rollouts"] += len(todo) * k
         stats["generated_tokens"] += tokens
@@ -158,7 +165,37 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
             continue
         rows += [{"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": float(i < first_bad),
                   "num_rollouts": k if (tid, i) in rolled else 0} for i in range(len(it["steps"]))]
-    return rows, stats
+    firsts = {j: bounds[j][0] for j in bounds}
+    return rows, stats, _step_pairs(domain, items, finals, firsts, win)
+
+
+def _step_pairs(domain: Domain, items: list[dict[str, Any]], finals: list[float | None], first_bad: dict[int, int],
+                win: dict[tuple[str, str, str], str | None]) -> list[dict[str, Any]]:
+    """Step-level preference pairs, as Step-DPO (Lai et al. 2024) and MCTS-DPO (Xie et al. 2024) build them:
+    at a searched wrong trajectory's first dead step, the shared live prefix, a continuation that reached the
+    answer from it (chosen: a rollout of the prefix, or where the first step itself is dead, a right sample
+    of the problem) and the trajectory's own continuation (rejected). Both sides are whole solutions written
+    step by step, so the pair differs from the dead step on: the preference falls on it, not on the prefix.
+    """
+    sep = domain.step_separator
+    right: dict[str, dict[str, Any]] = {}  # problem -> its first right item, by trajectory id
+    for it, ok in sorted(zip(items, finals), key=lambda x: x[0]["trajectory_id"]):
+        if ok and it.get("problem_id") is not None:
+            right.setdefault(it["problem_id"], it)
+    pairs = []
+    for j, f in sorted(first_bad.items()):
+        it = items[j]
+        if f > 0:
+            cont = win.get((it["prompt"], _text(it["steps"][:f], sep), it["answer_ref"]))
+            chosen, source = (None if cont is None else _text(domain.split_steps(cont), sep)), "rollout"
+        else:
+            other = right.get(it.get("problem_id"))
+            chosen, source = (None, "") if other is None else (_text(other["steps"], sep), other["trajectory_id"])
+        rejected = _text(it["steps"][f:], sep)
+        if chosen and chosen != rejected:
+            pairs.append({"trajectory_id": it["trajectory_id"], "step_index": f, "prefix": _text(it["steps"][:f], sep),
+                          "chosen": chosen, "rejected": rejected, "chosen_from": source})
+    return pairs
 
 
 def oracle_labels(domain: Domain, problems_by_id: dict[str, Problem],

@@ -167,7 +167,8 @@ JOIN model_inputs mi USING (model_id)
 JOIN trajectories t USING (trajectory_id)
 LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selected
     AND sel.purpose = CASE WHEN m.role IN ('prm', 'orm') THEN 'reward_train'
-                           WHEN mi.use LIKE 'dpo_%' THEN mi.use ELSE 'policy_sft' END;
+                           WHEN mi.use LIKE 'dpo_%' THEN mi.use WHEN mi.use = 'step_dpo_rejected' THEN 'step_dpo'
+                           ELSE 'policy_sft' END;
 """
 
 _WRITE_SQL = re.compile(

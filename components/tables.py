@@ -172,7 +172,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("trajectory_id", STR, null=False),
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),
-        col("purpose", STR, null=False),  # policy_sft | dpo_chosen | dpo_rejected | reward_train
+        col("purpose", STR, null=False),  # policy_sft | dpo_chosen | dpo_rejected | step_dpo | reward_train
         col("selected", BOOL, null=False),
         col("rank", INT),
         col("reason", STR, null=False),
@@ -200,7 +200,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("model_id", STR, null=False),
         col("trajectory_id", STR, null=False),
         col("source_round", INT, null=False),  # the round whose selection it came from
-        col("use", STR, null=False),  # new | replay | dpo_chosen | dpo_rejected
+        col("use", STR, null=False),  # new | replay | dpo_chosen | dpo_rejected | step_dpo_rejected | step_dpo_chosen
         _STAGE_RUN,
     ),
     _table(
@@ -225,6 +225,20 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("source_model", STR),
         col("given_correct", BOOL),
         col("original_completion", STR),  # NULL: stored as written
+        _STAGE_RUN,
+    ),
+    _table(
+        # Step-level preference pairs from the Monte Carlo search (score, mc_strategy first_error): at a wrong
+        # trajectory's first dead step, a continuation that reached the answer from the live prefix before it
+        # (chosen) against the trajectory's own (rejected). prefix + chosen and prefix + rejected are whole
+        # solutions; the filter selects the pairs (`selections`, purpose step_dpo), train_policy trains on them.
+        "step_pairs", ("trajectory_id",),
+        col("trajectory_id", STR, null=False),  # the wrong trajectory: the rejected side
+        col("step_index", INT, null=False),  # its first dead step
+        col("prefix", STR, null=False),  # the steps before it, as text: the live prefix both sides share
+        col("chosen", STR, null=False),
+        col("rejected", STR, null=False),
+        col("chosen_from", STR, null=False),  # 'rollout', or the right trajectory's id where step 0 is dead
         _STAGE_RUN,
     ),
     _table(

@@ -27,7 +27,7 @@ def plan(p: Planner) -> Inputs:
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.filtering import dpo_pairs, judge_catch_rates, rft_filter, step_rejects
+    from components.filtering import dpo_pairs, judge_catch_rates, rft_filter, step_pair_selections, step_rejects
     from components.reward_eval import repeated_step_rate
     from components.scoring import outcome_scores
 
@@ -66,6 +66,10 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                           max_pairs_per_problem=f.max_pairs_per_problem, eligible=eligible)
         rows += pairs
         metrics["dpo_pairs"] = len(pairs) // 2
+    if f.step_dpo_pairs and scored:
+        steps_pairs = spec.rows("score", "step_pairs")
+        rows += step_pair_selections(steps_pairs, experiment=spec.experiment, round=spec.round)
+        metrics["step_dpo_pairs"] = len(steps_pairs)
     # Reward-hacking monitor: what the filter keeps should not drift longer or repetitive round to round.
     by_id = {t["trajectory_id"]: t for t in trajs}
     kept = [by_id[r["trajectory_id"]] for r in rows if r["selected"] and r["purpose"] == "policy_sft"]
@@ -78,7 +82,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
             metrics["selected_mean_rank_score"] = sum(ranked) / len(ranked)
     write(out, selections=rows)
     log("filter", f"selected {n_sel} of {len(trajs)} trajectories for policy_sft, ranked by {source}"
-                  + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else ""))
+                  + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else "")
+                  + (f"; {metrics['step_dpo_pairs']:.0f} step-level DPO pairs" if "step_dpo_pairs" in metrics else ""))
     return metrics
 
 

@@ -56,6 +56,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     problems = problems_by_id(spec.rows("generate", "problems"))
     rows = outcome_scores(vers)
     labels: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []  # step-level preference pairs, from the first_error search
     metrics: dict[str, float] = {"scored": len(trajs)}
     items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"], "prompt": t["prompt"],
               "steps": steps.get(t["trajectory_id"], []), "answer_ref": problems[t["problem_id"]].answer}
@@ -72,10 +73,14 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         log("score", f"Monte Carlo labels ({sc.mc_strategy}): {len(todo)} trajectories, k={sc.mc_rollouts} rollouts "
                      "per step prefix")
         t0 = time.perf_counter()
-        label_fn = mc_first_error_labels if sc.mc_strategy == "first_error" else mc_step_labels
         backend = backend_of(spec, inp.policy_uri)
-        mc, stats = label_fn(domain, backend, todo, k=sc.mc_rollouts, temperature=sc.mc_temperature,
-                             max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
+        kw = dict(k=sc.mc_rollouts, temperature=sc.mc_temperature,
+                  max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
+        if sc.mc_strategy == "first_error":
+            mc, stats, pairs = mc_first_error_labels(domain, backend, todo, **kw)
+            stats["step_pairs"] = len(pairs)
+        else:
+            mc, stats = mc_step_labels(domain, backend, todo, **kw)
         labels += mc
         metrics |= {f"mc_{k}": float(v) for k, v in stats.items()} | {"mc_seconds": time.perf_counter() - t0}
         metrics |= backend_metrics(backend)
@@ -92,10 +97,11 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         mins = [r["value"] for r in rm_rows if r["aggregate"] in ("min", "outcome") and r["step_index"] == -1]
         metrics["rm_mean_score"] = sum(mins) / max(len(mins), 1)
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
-    write(out, scores=rows, step_labels=labels)
+    write(out, scores=rows, step_labels=labels, step_pairs=pairs)
     metrics["mean_outcome"] = sum(r["value"] for r in rows if r["scorer"] == "outcome") / max(len(trajs), 1)
     return metrics
 
 
-STAGE = Stage(name="score", section="score", gpu=True, reads=("generate", "verify"), writes=("scores", "step_labels"),
+STAGE = Stage(name="score", section="score", gpu=True, reads=("generate", "verify"),
+              writes=("scores", "step_labels", "step_pairs"),
               inputs=Inputs, plan=plan, run=run, samples=True)

@@ -35,6 +35,8 @@ def plan(p: Planner) -> Inputs:
     for r in range(1, p.round + 1):
         p.read("generate", r)
         p.read("filter", r)
+    if tp.method != "sft" and p.cfg.filter.step_dpo_pairs:
+        p.read("score")  # the step-level pairs' texts
     return inputs
 
 
@@ -101,21 +103,39 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 
 def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
-    """This round's DPO pairs ({"prompt", "chosen", "rejected"}) and their `model_inputs` rows."""
+    """This round's DPO pairs ({"prompt", "chosen", "rejected"}), trajectory-level then step-level, and their
+    `model_inputs` rows (a trajectory once, at its first use)."""
     trajs = {t["trajectory_id"]: t for t in spec.rows("generate", "trajectories")}
     sides: dict[str, dict[str, str]] = {}
+    step_ids: list[str] = []
     for s in spec.rows("filter", "selections"):
         if s["selected"] and s["purpose"] in ("dpo_chosen", "dpo_rejected"):
             sides.setdefault(s["pair_id"], {})[s["purpose"]] = s["trajectory_id"]
-    pairs, inputs = [], []
+        elif s["selected"] and s["purpose"] == "step_dpo":
+            step_ids.append(s["trajectory_id"])
+    pairs, uses = [], []
     for pid in sorted(sides):
         c, r = trajs[sides[pid]["dpo_chosen"]], trajs[sides[pid]["dpo_rejected"]]
         pairs.append({"prompt": c["prompt"], "chosen": c["completion"], "rejected": r["completion"]})
-        inputs += [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": spec.round,
-                    "use": use} for t, use in ((c, "dpo_chosen"), (r, "dpo_rejected"))]
+        uses += [(c["trajectory_id"], "dpo_chosen"), (r["trajectory_id"], "dpo_rejected")]
+    if step_ids:
+        # Both sides share the live prefix, so its log-ratios cancel in the DPO margin: the preference falls on
+        # the dead step and what follows it.
+        step = {p["trajectory_id"]: p for p in spec.rows("score", "step_pairs")}
+        for tid in sorted(step_ids):
+            sp = step[tid]
+            pairs.append({"prompt": trajs[tid]["prompt"], "chosen": sp["prefix"] + sp["chosen"],
+                          "rejected": sp["prefix"] + sp["rejected"]})
+            uses += [(tid, "step_dpo_rejected")] + ([] if sp["chosen_from"] == "rollout"
+                                                    else [(sp["chosen_from"], "step_dpo_chosen")])
+    inputs, seen = [], set()
+    for tid, use in uses:
+        if tid not in seen:
+            seen.add(tid)
+            inputs.append({"model_id": model_id(spec), "trajectory_id": tid, "source_round": spec.round, "use": use})
     return pairs, inputs
 
 
 STAGE = Stage(name="train_policy", section="train_policy", gpu=True,
-              reads=("bootstrap", "import", "generate", "filter"),
+              reads=("bootstrap", "import", "generate", "filter", "score"),
               writes=("models", "model_inputs"), inputs=Inputs, plan=plan, run=run)

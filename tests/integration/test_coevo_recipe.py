@@ -194,6 +194,69 @@ def test_selections_rank_by_prm_and_pair_for_dpo(coevo_run):
                        "AND use='dpo_rejected' AND selection_reason = 'incorrect, worst reward'") > 0
 
 
+def test_without_the_checker_the_prm_judges_right_answers_and_the_reasons_name_it(coevo_run):
+    """filter.check_steps=false, min_step_score: from round 2 the previous round's PRM drops right answers whose
+    weakest step it scores below the threshold, and each such selection says so; the checker only measures it."""
+    import json
+
+    cfg, store = coevo_run
+    assert not cfg.filter.check_steps and cfg.filter.min_step_score is not None
+    rows = store.rows("""
+        SELECT sel.round, sel.reason, v.correct, sc.value AS prm_min FROM selections sel
+        JOIN verifications v USING (trajectory_id)
+        LEFT JOIN scores sc ON sc.trajectory_id = sel.trajectory_id AND sc.scorer = 'prm' AND sc.aggregate = 'min'
+        WHERE sel.experiment_id = ? AND sel.purpose = 'policy_sft'""", [cfg.experiment])
+    assert not [r for r in rows if "steps do not check" in r["reason"]]  # the checker is off
+    by_prm = [r for r in rows if r["reason"].startswith("prm: weakest step")]
+    assert by_prm and {r["round"] for r in by_prm} == {2}  # round 1 has no earlier PRM to judge with
+    assert all(r["correct"] and r["prm_min"] < cfg.filter.min_step_score for r in by_prm)
+    kept = [r for r in rows if r["reason"] == "correct" and r["round"] == 2]
+    assert kept and all(r["prm_min"] >= cfg.filter.min_step_score for r in kept)
+    # The domain's checker measures the PRM as a judge: how many right answers with unsound steps it caught.
+    m = {r: json.loads(x) for r, x in store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id=? "
+                                                  "AND stage='filter' AND status='committed'", [cfg.experiment])[1]}
+    assert m[1]["right_answers"] > 0 and m[1].get("judge_false_reject_rate") == 0.0  # no judge in round 1
+    assert 0.0 <= m[2]["judge_false_reject_rate"] <= 1.0 and 0 <= m[2]["right_unsound"] <= m[2]["right_answers"]
+    ev = dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? AND round=2 AND level=-1",
+                          [cfg.experiment])[1])
+    assert 0.0 <= ev["greedy_sound_acc"] <= ev["greedy_acc"] and 0.0 <= ev["greedy_unsound_rate"] <= 1.0
+
+
+def test_step_pairs_from_the_search_train_the_policy_by_dpo(coevo_run):
+    """filter.step_dpo_pairs: at each searched wrong answer's first dead step, a continuation that reached the
+    answer from the live prefix (chosen) against the answer's own way on (rejected), whole solutions both."""
+    from components.domains.arith import ArithDomain
+
+    cfg, store = coevo_run
+    pairs = store.rows("""
+        SELECT sp.*, t.round, t.problem_id, t.completion, p.answer,
+               (SELECT list(text ORDER BY step_index) FROM steps s WHERE s.trajectory_id = t.trajectory_id) AS steps,
+               (SELECT min(step_index) FROM step_labels l WHERE l.trajectory_id = t.trajectory_id
+                AND l.source = 'mc_hard' AND l.value = 0) AS first_dead
+        FROM step_pairs sp JOIN trajectories t USING (trajectory_id) JOIN problems p USING (problem_id)
+        WHERE t.experiment_id = ?""", [cfg.experiment])
+    assert {p["round"] for p in pairs} == {1, 2}
+    d = ArithDomain()
+    for p in pairs:
+        assert p["step_index"] == p["first_dead"]
+        assert p["prefix"] + p["rejected"] == "".join(s + "\n" for s in p["steps"])
+        assert d.verify([p["prefix"] + p["chosen"]], [p["answer"]]) == [1.0]  # the chosen side reaches the answer
+        assert d.verify([p["completion"]], [p["answer"]]) == [0.0]
+    assert any(p["chosen_from"] == "rollout" for p in pairs)
+    # Each is selected (purpose step_dpo, on its rejected side) and trains the round's policy.
+    selected = dict(store.query("SELECT round, count(*) FROM selections WHERE experiment_id=? AND purpose='step_dpo' "
+                                "AND selected GROUP BY 1", [cfg.experiment])[1])
+    assert selected == {r: sum(p["round"] == r for p in pairs) for r in (1, 2)}
+    assert _one(store, "SELECT count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/policy/r1' "
+                       "AND use='step_dpo_rejected'") > 0
+    import json
+
+    m = json.loads(_one(store, "SELECT metrics_json FROM stage_runs WHERE experiment_id=? AND round=1 "
+                               "AND stage='train_policy' AND status='committed'", [cfg.experiment]))
+    assert m["dpo_pairs"] == selected[1] + _one(store, "SELECT count(*) FROM selections WHERE experiment_id=? AND "
+                                                       "round=1 AND purpose='dpo_chosen'", [cfg.experiment])
+
+
 def test_evaluation_reports_best_of_n_and_step_quality(coevo_run):
     cfg, store = coevo_run
     ev = dict(store.query("SELECT metric, value FROM evaluations WHERE experiment_id=? AND round=2 AND level=-1",

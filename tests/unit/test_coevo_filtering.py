@@ -60,6 +60,13 @@ def test_problem_without_a_wrong_sample_gives_no_pair():
     assert dpo_pairs(trajs, {"a": True, "b": True}, {}, experiment="x", round=1, max_pairs_per_problem=1) == []
 
 
+def test_an_empty_wrong_answer_is_never_a_rejected_side():
+    trajs = [_t("a", "A", 0), _t("empty", "", 1), _t("c", "C", 2)]  # EOS at once: nothing for DPO to push down
+    rows = dpo_pairs(trajs, {"a": True, "empty": False, "c": False}, {"empty": 0.0, "c": 0.5}, experiment="x",
+                     round=1, max_pairs_per_problem=1)
+    assert [(r["purpose"], r["trajectory_id"]) for r in rows] == [("dpo_chosen", "a"), ("dpo_rejected", "c")]
+
+
 def test_choose_for_mc_balances_outcomes_and_keeps_duplicates_together():
     trajs = [_t(f"r{i}", f"R{i}", i) for i in range(10)] + [_t(f"w{i}", f"W{i}", 10 + i) for i in range(3)]
     trajs.append(_t("r0-dup", "R0", 20))

@@ -114,6 +114,10 @@ def test_incompatible_settings_say_what_to_change():
     ({"score": {"mc_search_unsolved": True}}, "set score.mc_strategy=first_error"),
     ({"generate": {"search": {"max_tries": 2}}}, "generate.search is guided by the previous round's PRM"),
     ({"generate": {"search": {"max_tries": 0}}}, "generate.search.max_tries"),
+    ({"filter": {"step_dpo_pairs": True}, "train_policy": {"method": "sft+dpo"}}, "set score.mc_strategy=first_error"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}, "filter": {"step_dpo_pairs": True},
+      "score": {"mc_rollouts": 4, "mc_strategy": "first_error"}}, "set train_policy.method=sft\\+dpo"),
+    ({"generate": {"search": {"redraw_temperature": -1}}}, "generate.search.redraw_temperature"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):

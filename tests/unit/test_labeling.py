@@ -82,10 +82,17 @@ def test_mc_first_error_labels_binary_search_hand_computed():
     backend = ScriptedBackend(script)
     right = "1+2=3\n3+3=6\n6+1=7\n7+1=8\n#### 8\n"
     items = [_item("wrong", wrong, p, "8"), _item("right", right, p, "8"), _item("one-step", "#### 3\n", p, "8")]
-    rows, stats = mc_first_error_labels(ArithDomain(), backend, items, k=3, temperature=0.8, max_new_tokens=16,
-                                        seed=0)
+    rows, stats, pairs = mc_first_error_labels(ArithDomain(), backend, items, k=3, temperature=0.8, max_new_tokens=16,
+                                            seed=0)
     hard = _by(rows, "mc_hard")
     assert not _by(rows, "mc_soft")  # hard labels only
+    # Step pairs at each first dead step: the rollout that got through from the live prefix against the
+    # trajectory's own way on; where the first step is dead, a right sample of the problem is the chosen side.
+    assert pairs == [
+        {"trajectory_id": "wrong", "step_index": 1, "prefix": "1+2=3\n", "chosen": "3+3=6\n6+1=7\n7+1=8\n#### 8\n",
+         "rejected": "3+3=7\n7+1=8\n8+1=9\n#### 9\n", "chosen_from": "rollout"},
+        {"trajectory_id": "one-step", "step_index": 0, "prefix": "", "chosen": right, "rejected": "#### 3\n",
+         "chosen_from": "right"}]
     # Search over [0, 4]: mid 2 dead -> [0, 2]; mid 1 dead -> [0, 1]; mid 0 alive -> first bad step 1.
     assert [hard[("wrong", i)] for i in range(5)] == [(1.0, 3), (0.0, 3), (0.0, 3), (0.0, 0), (0.0, 0)]
     assert [c[0] for c in backend.calls] == [[prefix(2)], [prefix(1)], [prefix(0)]]
@@ -105,7 +112,7 @@ def test_mc_first_error_labels_roll_a_shared_prefix_out_once():
     backend = ScriptedBackend({prefix(2): ["#### 1\n"] * 2, prefix(1): ["#### 1\n"] * 2,
                                prefix(0): ["3+3=6\n6+1=7\n7+1=8\n#### 8\n"] * 2})
     items = [_item("a", a, p, "8"), _item("b", b, p, "8")]
-    rows, stats = mc_first_error_labels(ArithDomain(), backend, items, k=2, temperature=0.8, max_new_tokens=16,
+    rows, stats, _ = mc_first_error_labels(ArithDomain(), backend, items, k=2, temperature=0.8, max_new_tokens=16,
                                         seed=0)
     hard = _by(rows, "mc_hard")
     assert [hard[("b", i)][0] for i in range(3)] == [1.0, 0.0, 0.0]
@@ -124,12 +131,12 @@ def test_mc_first_error_labels_do_not_search_a_problem_no_sample_solved():
                                prefix(0): ["3+3=6\n6+1=7\n7+1=8\n#### 8\n"] * 2})
     dead = _item("dead", wrong, p, "8") | {"root_alive": False}
     alive = _item("alive", wrong, p, "8") | {"root_alive": True}
-    rows, stats = mc_first_error_labels(ArithDomain(), backend, [dead], k=2, temperature=0.8, max_new_tokens=16,
+    rows, stats, _ = mc_first_error_labels(ArithDomain(), backend, [dead], k=2, temperature=0.8, max_new_tokens=16,
                                         seed=0)
     # No alive root, no search: the final step alone, whose value is the verified outcome.
     assert _by(rows, "mc_hard") == {("dead", 4): (0.0, 0)} and backend.calls == []
     assert stats["rollouts"] == 0 and stats["dead_root"] == 1
-    rows, stats = mc_first_error_labels(ArithDomain(), backend, [dead, alive], k=2, temperature=0.8,
+    rows, stats, _ = mc_first_error_labels(ArithDomain(), backend, [dead, alive], k=2, temperature=0.8,
                                         max_new_tokens=16, seed=0)
     hard = _by(rows, "mc_hard")
     assert [hard[("alive", i)][0] for i in range(5)] == [1.0, 0.0, 0.0, 0.0, 0.0]
