@@ -153,6 +153,11 @@ def _pooled(rows: list[dict]) -> tuple[float | None, float | None]:
             sum(c * n for c, n in good) / n_good if n_good else None)
 
 
+def _within(rows: list[dict], budget: int) -> dict:
+    """The last round whose cumulative tokens fit in `budget` (round 0 costs none)."""
+    return [r for r in rows if r["cum_tokens"] <= budget][-1]
+
+
 def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
@@ -211,6 +216,15 @@ def report(workdir: Path, seeds: list[int]) -> dict:
                 spread = max(base[f"{key}_spread"], ref[f"{key}_spread"], f[f"{key}_spread"])
                 rec[key] = {"ratio": (f[key] - base[key]) / gain if gain else None, "checker_gain": gain,
                             "arm_minus_outcome": f[key] - base[key], "seed_spread": spread}
+        # The same comparison at rft-outcome's budget: each seed's last round within rft-outcome's final tokens.
+        matched = [(s, _within(data[(arm, s)], data[("rft-outcome", s)][-1]["cum_tokens"])) for s in f["seeds"]
+                   if ("rft-outcome", s) in data]
+        for key in ("all", "hard"):
+            if base and ref and matched:
+                acc = mean(r["hard_acc" if key == "hard" else "greedy_acc"] for _, r in matched)
+                gain = ref[key] - base[key]
+                rec[f"{key}_at_budget"] = {"ratio": (acc - base[key]) / gain if gain else None, "accuracy": acc,
+                                           "rounds": [r["round"] for _, r in matched]}
         out["recovery"][arm] = rec | {"catch": f["catch"], "false_reject": f["false_reject"], "tokens": f["tokens"],
                                       "rft_outcome_tokens": base["tokens"] if base else None}
         for key, label in (("all", "all levels"), ("hard", "hardest level")):
@@ -220,6 +234,10 @@ def report(workdir: Path, seeds: list[int]) -> dict:
                        if abs(r["checker_gain"]) <= r["seed_spread"] else "")
                 print(f"{arm} [{label}]: recovery {_f(r['ratio'], '.2f')} = ({f[key]:.3f} - {base[key]:.3f}) / "
                       f"({ref[key]:.3f} - {base[key]:.3f}); seed spread {r['seed_spread']:.3f}{tie}")
+            if f"{key}_at_budget" in rec:
+                r = rec[f"{key}_at_budget"]
+                print(f"{arm} [{label}] at rft-outcome's budget (rounds {r['rounds']}): recovery "
+                      f"{_f(r['ratio'], '.2f')} ({r['accuracy']:.3f})")
         print(f"{arm}: catch rate {_f(f['catch'])}, good ones rejected {_f(f['false_reject'])}; tokens "
               f"{f['tokens']:,.0f} vs rft-outcome {base['tokens'] if base else float('nan'):,.0f}")
     (workdir / "prm_without_checker.json").write_text(json.dumps(out, indent=2, default=str))

@@ -531,6 +531,6 @@ def experiment_filter(table: str) -> str:
         return "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)"
     if table == "model_inputs":
         return "model_id IN (SELECT model_id FROM models WHERE experiment_id = ?)"
-    if table in ("steps", "verifications", "step_labels", "scores", "trajectory_sources"):
+    if table in ("steps", "verifications", "step_labels", "step_pairs", "scores", "trajectory_sources"):
         return "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ?)"
     return "experiment_id = ?"
