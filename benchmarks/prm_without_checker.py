@@ -144,6 +144,29 @@ def _rounds(store, name: str) -> list[dict]:
     return rows
 
 
+def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
+    """Right training answers whose steps the checker rejects, by kind: a step the oracle calls wrong
+    (a slip that a later one cancels), or every step right but one skipped or added; (dropped by a
+    learned judge, all), over every round."""
+    from components.domains.arith import ArithDomain
+
+    d = ArithDomain()
+    rows = store.rows("""
+        SELECT t.prompt, t.completion, sel.reason,
+               bool_and(l.value = 1.0) FILTER (WHERE l.source = 'oracle') AS oracle_ok
+        FROM trajectories t JOIN verifications v USING (trajectory_id)
+        JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
+        LEFT JOIN step_labels l ON l.trajectory_id = t.trajectory_id
+        WHERE t.experiment_id IN (SELECT unnest(?)) AND t.purpose = 'train' AND v.correct GROUP BY ALL""", [names])
+    kinds: dict[str, list[int]] = {"a wrong step": [0, 0], "a skipped or added step": [0, 0]}
+    for r in rows:
+        if d.check_steps(r["prompt"], r["completion"]) is False:
+            k = kinds["a skipped or added step" if r["oracle_ok"] else "a wrong step"]
+            k[0] += r["reason"].startswith(("prm:", "mc_hard:"))
+            k[1] += 1
+    return {k: (c, n) for k, (c, n) in kinds.items() if n}
+
+
 def _pooled(rows: list[dict]) -> tuple[float | None, float | None]:
     """Catch and false-reject rates over all rounds, weighted by the right answers they are shares of."""
     bad = [(r["catch"], r["right_unsound"]) for r in rows if r["catch"] is not None]
@@ -201,7 +224,12 @@ def report(workdir: Path, seeds: list[int]) -> dict:
     for arm, f in final.items():
         print(f"{arm:<14} {len(f['seeds']):>6} {f['all']:>6.3f} {f['all_spread']:>7.3f} {f['hard']:>6.3f} "
               f"{f['hard_spread']:>7.3f} {_f(f['unsound']):>8} {f['tokens']:>10,.0f}")
-    out: dict = {"final": final, "recovery": {}}
+    out: dict = {"final": final, "recovery": {}, "unsound_kinds": {}}
+    print("\n== right answers whose steps do not check, by kind, and the share the learned judges dropped ==")
+    for arm in (a for a in ARMS if any((a, s) in data for s in seeds)):
+        kinds = _unsound_kinds(store, [experiment(arm, s) for s in seeds if (arm, s) in data])
+        out["unsound_kinds"][arm] = kinds
+        print(f"{arm:<14} " + "; ".join(f"{k}: {n} ({c / n:.2f} dropped by a judge)" for k, (c, n) in kinds.items()))
     if data:
         _plot(data, workdir, _save, plt)
     base, ref = final.get("rft-outcome"), final.get("rft-checker")
