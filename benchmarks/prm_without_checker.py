@@ -274,7 +274,8 @@ def report(workdir: Path, seeds: list[int]) -> dict:
 
 
 def _plot(data: dict, workdir: Path, save, plt) -> None:
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), dpi=110)
+    fig, grid = plt.subplots(2, 2, figsize=(13, 9), dpi=110)
+    axes = grid.ravel()
     colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
     panels = (("greedy_acc", "held-out greedy accuracy, all levels (%)"),
               ("hard_acc", "held-out greedy accuracy, hardest level (%)"),
@@ -287,6 +288,19 @@ def _plot(data: dict, workdir: Path, save, plt) -> None:
         ax.set_xlabel("cumulative generated tokens, rollouts included (thousands)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    ax = axes[3]  # the PRM as a judge, round by round: what it catches against what it wrongly drops
+    for (arm, s), rows in data.items():
+        pts = [(r["round"], 100 * r["catch"], 100 * r["false_reject"]) for r in rows if r["catch"] is not None]
+        if arm in COEVO_ARMS and pts:
+            style = "-" if s == min(x for _, x in data) else "--"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[arm], linestyle=style)
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", color=colors[arm], linestyle=style, alpha=0.5)
+    ax.axhline(80, color="grey", linewidth=0.8, linestyle=":")
+    ax.axhline(10, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("round")
+    ax.set_ylabel("the PRM as the filter's judge (%)")
+    ax.set_title("o: unsound right answers caught; x: sound ones dropped (goals: 80, 10)", fontsize=9)
+    ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("Without a step checker: the outcome verifier alone, the PRM as the judge, and the checker")
     save(fig, workdir / "prm_without_checker.png")
