@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from components.store import DATA_TABLES, Store, StoreError
+from components.store import DATA_TABLES, Store, StoreError, experiment_filter
 from tests import conftest as shared
 from tests.conftest import REPO, coevo_cmd
 
@@ -394,12 +394,10 @@ def fault_runs(tmp_path_factory) -> FaultRuns:
 
 # -- store helpers --------------------------------------------------------------------------------
 
-_ROUND_FILTER = {
-    "problems": "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ? AND round = ?)",
-    "model_inputs": "model_id IN (SELECT model_id FROM models WHERE experiment_id = ? AND round = ?)",
-}
-for _t in ("steps", "verifications", "step_labels", "scores", "trajectory_sources"):
-    _ROUND_FILTER[_t] = "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ? AND round = ?)"
+def round_filter(table: str) -> str:
+    """The store's experiment filter for `table` (components.store.experiment_filter), narrowed to one round:
+    a SQL condition with two `?`, the experiment id and the round."""
+    return experiment_filter(table).replace("experiment_id = ?", "experiment_id = ? AND round = ?")
 
 
 def round_hashes(store: Store, experiment: str, round: int) -> dict[str, tuple[int, str]]:
@@ -408,7 +406,7 @@ def round_hashes(store: Store, experiment: str, round: int) -> dict[str, tuple[i
     for table in DATA_TABLES:
         _, desc = store.query(f"DESCRIBE {table}")
         cols = ", ".join(r[0] for r in desc if r[0] not in ("stage_run_id", "uri"))
-        where = _ROUND_FILTER.get(table, "experiment_id = ? AND round = ?")
+        where = round_filter(table)
         _, rows = store.query(
             f"SELECT count(*), coalesce(md5(string_agg(CAST(row({cols}) AS VARCHAR), '|' "
             f"ORDER BY CAST(row({cols}) AS VARCHAR))), '') FROM {table} WHERE {where}", [experiment, round])
