@@ -36,19 +36,18 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     vers = spec.rows("verify", "verifications")
     correct = {v["trajectory_id"]: v["correct"] for v in vers}
     scored = spec.has("score")
-    scores, source = ranking_scores(spec.rows("score", "scores") if scored else outcome_scores(vers),
-                                    spec.rows("score", "step_labels") if scored else [], f.rank_by)
+    score_rows = spec.rows("score", "scores") if scored else outcome_scores(vers)
+    labels = spec.rows("score", "step_labels") if scored else []
+    scores, source = ranking_scores(score_rows, labels, f.rank_by)
     domain = domain_of(spec)
     checker = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
     has_checker = any(v is not None for v in checker.values())
-    labels = spec.rows("score", "step_labels") if scored else []
     mc_dead: dict[str, int] = {}
     if f.drop_mc_bad_steps:
         for lab in sorted(labels, key=lambda r: r["step_index"]):
             if lab["source"] == "mc_hard" and lab["value"] == 0.0:
                 mc_dead.setdefault(lab["trajectory_id"], lab["step_index"])
-    prm_min = {s["trajectory_id"]: s["value"] for s in (spec.rows("score", "scores") if scored else [])
-               if s["scorer"] == "prm" and s["aggregate"] == "min"}
+    prm_min = {s["trajectory_id"]: s["value"] for s in score_rows if s["scorer"] == "prm" and s["aggregate"] == "min"}
     ids = [t["trajectory_id"] for t in trajs]
     # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=f.min_step_score)
