@@ -363,6 +363,39 @@ class ImportConfig(_Section):
         "train", description="'eval' for trajectories on held-out problems; an import with test problems must say so.")
 
 
+# Where a stage job runs, not what it computes: left out of `config_hash`, so an experiment started on a laptop
+# resumes on a cluster (and back) as the same experiment.
+PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s")
+
+
+class ExecutionConfig(_Section):
+    """How stage jobs are split and where they run (`docs/operating.md`, "Past one machine")."""
+
+    shards: int = Field(1, ge=1, description="Jobs that `generate`, `verify`, `score` and `evaluate` each split "
+                                             "their problems into, each with its own seed; the stage commits once "
+                                             "over all of them. Results depend on it (the seeds do).")
+    pool: str | None = Field(None, description="Prefect work pool that runs every stage job (a flow run of the "
+                                               "`stage-job` deployment); null runs each as a local subprocess. "
+                                               "COEVO_POOL overrides it.")
+    gpu_pool: str | None = Field(None, description="Pool of the GPU stages (`Stage.gpu`); null: `pool`. "
+                                                   "COEVO_GPU_POOL overrides it.")
+    stage_pools: dict[str, str] = Field(default_factory=dict, description="Pool per stage, over `pool` and "
+                                        "`gpu_pool`; the name `local` runs that stage as a local subprocess.")
+    worker_timeout_s: int = Field(120, ge=1, description="How long a stage job may wait for a worker of its pool "
+                                                         "to pick it up before the stage fails, naming the pool.")
+    heartbeat_timeout_s: int = Field(60, ge=5, description="A pool job whose heartbeat file is older than this "
+                                                           "is taken for lost (its worker died) and retried.")
+
+    @field_validator("stage_pools")
+    @classmethod
+    def _stages_exist(cls, v: dict[str, str]) -> dict[str, str]:
+        from components.stages import STAGES
+
+        if unknown := sorted(set(v) - set(STAGES)):
+            raise ValueError(f"names no stage: {unknown}; the stages are {sorted(STAGES)}")
+        return v
+
+
 class ExperimentConfig(_Section):
     experiment: str = Field(..., pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name; names the workdir folder.")
     seed: int = 0
@@ -386,6 +419,7 @@ class ExperimentConfig(_Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     imports: list[ImportConfig] = Field(default_factory=list, description="Trajectories `coevo import` loads.")
 
     @field_validator("workdir")
@@ -439,8 +473,14 @@ class ExperimentConfig(_Section):
         return self.model_dump(mode="json")
 
     def config_hash(self) -> str:
-        """Stable hash over the semantic content (key order and YAML formatting do not matter)."""
-        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable hash over the semantic content (key order and YAML formatting do not matter). Where jobs run
+        (`PLACEMENT`) is not content; an experiment whose `execution` is all defaults hashes as it did before
+        the section existed."""
+        body = self.to_dict()
+        execution = {k: v for k, v in body.pop("execution").items() if k not in PLACEMENT}
+        if execution != {"shards": 1}:
+            body["execution"] = execution
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def extends(self, stored_json: str) -> bool:
@@ -453,10 +493,13 @@ class ExperimentConfig(_Section):
             stored = type(self).model_validate_json(stored_json).to_dict()
         except ValidationError:  # a field since removed or changed: not the same experiment
             return False
-        mine = self.to_dict()
+        mine, raw = self.to_dict(), json.loads(stored_json)
+        for d in (stored, mine, raw):  # where jobs run may change between runs of one experiment
+            if "execution" in d:
+                d["execution"] = {k: v for k, v in d["execution"].items() if k not in PLACEMENT}
         if stored["rounds"] > mine["rounds"] or {**stored, "rounds": mine["rounds"]} != mine:
             return False
-        return stored["rounds"] < mine["rounds"] or json.loads(stored_json) != mine
+        return stored["rounds"] < mine["rounds"] or raw != mine
 
     def flat(self) -> dict[str, Any]:
         """Flattened `a.b.c -> value` view, for MLflow params."""

@@ -48,13 +48,21 @@ def evaluate(
     answers = {p.problem_id: p.answer for p in problems}
     vers = verify(batch.trajectories, answers, domain.verify, name=f"{domain.name}.verify", version="1")
     correct = {v["trajectory_id"]: bool(v["correct"]) for v in vers}
+    return batch, vers, outcome_rows(domain, problems, batch.trajectories, correct, maj_k=maj_k,
+                                     experiment=experiment, round=round, model_id=model_id)
 
+
+def outcome_rows(domain: Domain, problems: list[Problem], trajectories: list[dict[str, Any]], correct: dict[str, bool],
+                 *, maj_k: int, experiment: str, round: int, model_id: str) -> list[dict[str, Any]]:
+    """`evaluations` rows of held-out trajectories: greedy accuracy (sample 0) and, with `maj_k` > 1, maj@k and
+    pass@k over samples 1..maj_k of each problem."""
     per_level: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     samples_by_problem: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for t in sampled.trajectories:
-        samples_by_problem[t["problem_id"]].append(t)
+    for t in trajectories:
+        if t["sample_index"] > 0:
+            samples_by_problem[t["problem_id"]].append(t)
     level_of = {p.problem_id: p.level for p in problems}
-    for t in greedy.trajectories:
+    for t in (t for t in trajectories if t["sample_index"] == 0):
         right = correct[t["trajectory_id"]]
         per_level[t["level"]]["greedy_acc"].append(float(right))
         # Where the domain has a step checker: right answers whose worked steps also check out (the skipped
@@ -73,7 +81,7 @@ def evaluate(
             per_level[level_of[p.problem_id]][f"maj_at_{maj_k}"].append(float(ok))
             per_level[level_of[p.problem_id]][f"pass_at_{maj_k}"].append(
                 float(any(correct[t["trajectory_id"]] for t in group)))
-    return batch, vers, _rows(per_level, experiment, round, model_id)
+    return _rows(per_level, experiment, round, model_id)
 
 
 def _rows(per_level: dict[int, dict[str, list[float]]], experiment: str, round: int,

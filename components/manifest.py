@@ -63,7 +63,13 @@ class Manifest:
         return f"{self.experiment}/r{self.round}/{self.stage}/a{self.attempt}"
 
     def output_paths(self, out_dir: Path, table: str) -> list[str]:
-        return [str(out_dir / o["path"]) for o in self.outputs if o["table"] == table]
+        return [part_path(out_dir, o["path"]) for o in self.outputs if o["table"] == table]
+
+
+def part_path(out_dir: str | Path, rel: str) -> str:
+    """Where a manifest's part lies. A sharded stage's manifest lists its shards' parts, beside its folder
+    (`../a1.shard0/part-….parquet`), so the path is normalised."""
+    return os.path.normpath(os.path.join(out_dir, rel))
 
 
 class StageOutputWriter:
@@ -86,12 +92,17 @@ class StageOutputWriter:
         return p
 
     def write_table(self, table: str, data: pa.Table) -> None:
-        part = sum(1 for o in self._outputs if o["table"] == table)
+        part = sum(1 for o in self._outputs if o["table"] == table and "/" not in o["path"])
         rel = f"part-{table}-{part:05d}.parquet"
         path = self.tmp_dir / rel
         # Fixed writer options so the bytes depend only on the data (byte-reproducible rounds).
         pq.write_table(data, path, compression="zstd", use_dictionary=True, write_statistics=True)
         self._outputs.append({"table": table, "path": rel, "rows": data.num_rows, "sha256": sha256_file(path)})
+
+    def add_part(self, table: str, path: Path, rows: int, sha256: str) -> None:
+        """List a part that lies elsewhere (a shard's, beside this folder) under a path relative to this one."""
+        rel = os.path.relpath(path, self.final_dir)
+        self._outputs.append({"table": table, "path": rel, "rows": rows, "sha256": sha256})
 
     def finish(self, manifest: Manifest) -> Path:
         for name in sorted(p.name for p in self.tmp_dir.iterdir() if p.is_dir()):
@@ -128,7 +139,7 @@ def verify_manifest(path: Path) -> Manifest:
     m = read_manifest(path)
     out_dir = Path(path).parent
     for o in m.outputs:
-        f = out_dir / o["path"]
+        f = Path(part_path(out_dir, o["path"]))
         if not f.is_file():
             raise ManifestError(f"{path}: listed file {f} is missing")
         digest = sha256_file(f)

@@ -24,7 +24,7 @@ from typing import Any
 
 import duckdb
 
-from components.manifest import Manifest, ManifestError, verify_manifest
+from components.manifest import Manifest, ManifestError, part_path, verify_manifest
 from components.tables import DATA_TABLES, SCHEMAS, TABLES, Table
 
 # DuckDB's name for each Arrow type a table declares.
@@ -428,6 +428,21 @@ class Store:
                  config_hash, seed, prefect_task_run_id],
             )
 
+    def record_job(self, stage_run_id: str, shard: int, try_: int, worker: str | None, flow_run_id: str | None,
+                   status: str, error: str | None, duration_s: float) -> None:
+        """One try of a stage run's job (or of one of its shards): where it ran and how it ended."""
+        with self.writer() as con:
+            con.execute("INSERT OR REPLACE INTO stage_jobs (stage_run_id, shard, try, worker, flow_run_id, status, "
+                        "error, duration_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        [stage_run_id, shard, try_, worker, flow_run_id, status, (error or "")[-4000:] or None,
+                         duration_s])
+
+    def stage_jobs(self, stage_run_id: str) -> list[dict[str, Any]]:
+        """The job tries of a stage run, by shard and try."""
+        if not self.path.exists():
+            return []
+        return self.rows("SELECT * FROM stage_jobs WHERE stage_run_id=? ORDER BY shard, try", [stage_run_id])
+
     def fail_stage_run(self, ref: StageRunRef, error: str) -> None:
         with self.writer() as con:
             con.execute(
@@ -478,7 +493,7 @@ class Store:
                             con.execute(f"DELETE FROM {table} WHERE stage_run_id = ?", [old_id])
                     con.execute("UPDATE stage_runs SET status='superseded' WHERE stage_run_id=?", [old_id])
                 for out in manifest.outputs:
-                    part = str(out_dir / out["path"])
+                    part = part_path(out_dir, out["path"])
                     table = out["table"]
                     if table not in DATA_TABLES:
                         raise ManifestError(f"{manifest_path}: unknown output table {table!r}")
@@ -531,6 +546,8 @@ def experiment_filter(table: str) -> str:
         return "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)"
     if table == "model_inputs":
         return "model_id IN (SELECT model_id FROM models WHERE experiment_id = ?)"
+    if table == "stage_jobs":
+        return "stage_run_id IN (SELECT stage_run_id FROM stage_runs WHERE experiment_id = ?)"
     if table in ("steps", "verifications", "step_labels", "step_pairs", "scores", "trajectory_sources"):
         return "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ?)"
     return "experiment_id = ?"

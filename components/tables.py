@@ -100,6 +100,19 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("prefect_task_run_id", STR),
         job_output=False,
     ),
+    _table(  # one row per try of a stage run's job, or of each shard's: where it ran and how it ended
+        "stage_jobs", ("stage_run_id", "shard", "try"),
+        col("stage_run_id", STR, null=False),
+        col("shard", INT, null=False),  # 0 where the stage is not sharded
+        col("try", INT, null=False),  # 1, then 2.. where a shard was retried alone
+        col("worker", STR),  # the Prefect worker that ran it, or local:<host>
+        col("flow_run_id", STR),  # its flow run of the `stage-job` deployment, where it ran on a work pool
+        col("status", STR, null=False),  # published | failed
+        col("error", STR),
+        col("duration_s", FLOAT),
+        col("finished_at", TIME, default="current_timestamp"),
+        job_output=False,
+    ),
     _table(
         "problems", ("problem_id",),
         col("problem_id", STR, null=False),  # content hash

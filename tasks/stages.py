@@ -14,9 +14,10 @@ from prefect.runtime import task_run as task_run_ctx
 from prefect.states import State
 
 from components.config import ExperimentConfig
-from components.jobs.launch import StageJobError, StageResult, run_stage_attempt
+from components.jobs.launch import StageJobError, StageResult, pool_of, run_stage_attempt
 from components.stages import STAGES, Stage
 from components.store import Store
+from tasks.pool import PoolRunner
 
 
 def is_transient(task: Task, task_run: TaskRun, state: State) -> bool:
@@ -33,9 +34,11 @@ def _make(stage: Stage) -> Task:
     tags = ["coevo", f"stage:{stage.name}"] + (["gpu"] if stage.gpu else [])
 
     def run(cfg: ExperimentConfig, round: int, code_version: str | None = None) -> StageResult:
+        pool = pool_of(cfg, stage.name)
         return run_stage_attempt(cfg, Store(cfg.store_path), round, stage.name, code_version=code_version,
                                  log=get_run_logger().info,
-                                 task_run_id=str(task_run_ctx.id) if task_run_ctx.id else None)
+                                 task_run_id=str(task_run_ctx.id) if task_run_ctx.id else None,
+                                 runner=PoolRunner(cfg, pool) if pool else None)
 
     run.__name__ = stage.name
     return task(run, name=stage.name, task_run_name=f"{stage.name}-r{{round}}", tags=tags,
@@ -46,6 +49,9 @@ STAGE_TASKS: dict[str, Task] = {name: _make(s) for name, s in STAGES.items()}
 
 
 def stage_task(cfg: ExperimentConfig, stage: str) -> Task:
-    """The stage's task with the experiment's retry policy applied."""
+    """The stage's task with the experiment's retry policy applied. A sharded stage retries a killed shard
+    alone inside one try of the task, so its try may take a job's time once per retry."""
+    sharded = cfg.execution.shards > 1 and STAGES[stage].merge is not None
+    job_s = cfg.stage_timeout_s * (1 + cfg.stage_retries if sharded else 1)
     return STAGE_TASKS[stage].with_options(retries=cfg.stage_retries, retry_delay_seconds=2,
-                                           timeout_seconds=cfg.stage_timeout_s + 120)
+                                           timeout_seconds=job_s + 120)

@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(threads)
+    if STAGES[spec.stage].gpu:  # a model stage: its libraries load here, so `startup_s` counts them, not the body
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
     seed_everything(spec.seed)
+    # From `run_job`'s launch to here: the interpreter, the imports, the spec (benchmarks/scale.py).
+    launched = float(os.environ.get("COEVO_JOB_LAUNCHED_AT", "nan"))
+    startup = {"startup_s": round(time.time() - launched, 3)} if launched == launched else {}
     t0 = time.perf_counter()
     try:
         out = StageOutputWriter(Path(spec.out_dir))
@@ -53,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         manifest = Manifest(
             experiment=spec.experiment, round=spec.round, stage=spec.stage, attempt=spec.attempt,
             config_hash=spec.config_hash, seed=spec.seed, code_version=spec.code_version,
-            inputs={i.stage_run_id: i.manifest_sha256 for i in spec.inputs} | {"params": spec.params},
-            metrics={k: float(v) for k, v in metrics.items()}, timings={"total_s": round(total, 3)},
+            inputs={i.stage_run_id: i.manifest_sha256 for i in spec.inputs} | {"params": spec.params}
+            | ({"shard": spec.shard, "shards": spec.shards} if spec.shards > 1 else {}),
+            metrics={k: float(v) for k, v in metrics.items()}, timings={"total_s": round(total, 3), **startup},
         )
         path = out.finish(manifest)
     except (SpecError, ManifestError, FileNotFoundError) as e:

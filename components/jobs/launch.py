@@ -8,16 +8,21 @@ manifest in one transaction or mark the attempt `failed`.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from components import progress
 from components.config import ExperimentConfig
+from components.jobs.shards import merge_shards, published, shard_specs
+from components.jobs.spec import StageSpec
 from components.manifest import MANIFEST, ManifestError
 from components.stages import STAGES, build_spec
 from components.store import StageRunRef, Store, StoreError
@@ -26,12 +31,16 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class StageJobError(RuntimeError):
-    """The job failed. `transient` is True when it was killed (signal, OOM, timeout), not when it raised."""
+    """The job failed. `transient` is True when it was killed (signal, OOM, timeout, its worker lost), not when
+    it raised. `worker` and `flow_run_id` say where it ran, where a work pool ran it."""
 
-    def __init__(self, message: str, returncode: int | None, transient: bool):
+    def __init__(self, message: str, returncode: int | None, transient: bool, worker: str | None = None,
+                 flow_run_id: str | None = None):
         super().__init__(message)
         self.returncode = returncode
         self.transient = transient
+        self.worker = worker
+        self.flow_run_id = flow_run_id
 
 
 @dataclass
@@ -70,6 +79,20 @@ def job_python(cfg: ExperimentConfig | None, stage: str) -> str:
     return sys.executable
 
 
+def pool_of(cfg: ExperimentConfig, stage: str) -> str | None:
+    """The Prefect work pool that runs `stage`'s jobs, or None to run them here as subprocesses.
+
+    `execution.stage_pools[stage]` first, then for a GPU stage (`Stage.gpu`) COEVO_GPU_POOL or
+    `execution.gpu_pool`, then COEVO_POOL or `execution.pool`. The name `local` means a subprocess here.
+    """
+    e = cfg.execution
+    pool = os.environ.get("COEVO_POOL") or e.pool
+    if STAGES[stage].gpu:
+        pool = os.environ.get("COEVO_GPU_POOL") or e.gpu_pool or pool
+    pool = e.stage_pools.get(stage, pool)
+    return None if pool in (None, "", "local") else pool
+
+
 def job_command(stage: str, spec_path: Path, python: str | None = None) -> list[str]:
     """`python -m components.jobs <stage> --spec …` (see `job_python`). The job imports this checkout
     (PYTHONPATH), so another environment needs only the packages, not an install of the project."""
@@ -78,7 +101,8 @@ def job_command(stage: str, spec_path: Path, python: str | None = None) -> list[
 
 def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
             on_start: Callable[[int], None] | None = None, python: str | None = None) -> None:
-    env = os.environ | {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = os.environ | {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                        "COEVO_JOB_LAUNCHED_AT": repr(time.time())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     command = job_command(stage, spec_path, python)
     if command[0] != sys.executable:
@@ -114,16 +138,88 @@ def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: 
                             transient=killed or rc == EXIT_TRANSIENT)
 
 
+class JobRunner(Protocol):
+    """Runs the job of `spec_path` to its end, or raises StageJobError; returns (worker, flow run id): where it
+    ran. `local_runner` runs it as a subprocess here; `tasks.pool.PoolRunner` as a flow run on a work pool."""
+
+    def __call__(self, stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+                 python: str | None) -> tuple[str, str | None]: ...
+
+
+def local_runner(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+                 python: str | None) -> tuple[str, str | None]:
+    run_job(stage, spec_path, log, timeout_s, python=python)
+    return f"local:{socket.gethostname()}", None
+
+
+# (shard, try, worker, flow run id, status, error, seconds) of each job try, for the store's `stage_jobs`
+OnJob = Callable[[int, int, "str | None", "str | None", str, "str | None", float], None]
+
+
+def execute(cfg: ExperimentConfig, spec: StageSpec, *, runner: JobRunner | None = None,
+            log: Callable[[str], None] = print, on_job: OnJob | None = None) -> Path:
+    """Run the stage job(s) of `spec` and return the manifest to commit.
+
+    One job, or, where the stage can be sharded (`Stage.merge`) and `execution.shards` > 1, one job per
+    shard side by side (`components.jobs.shards`). A shard whose job was killed (a transient failure: signal,
+    timeout, lost worker) is retried alone, up to `stage_retries` times; a shard that published is not rerun.
+    """
+    runner = runner or local_runner
+    stage = STAGES[spec.stage]
+    python = job_python(cfg, spec.stage)
+    shards = cfg.execution.shards if stage.merge is not None else 1
+
+    def run_one(s: StageSpec, tries: int) -> None:
+        out_dir = Path(s.out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        spec_path = out_dir.with_name(out_dir.name + ".spec.json")
+        spec_path.write_text(s.to_json())
+        say = log if s.shards == 1 else (lambda line: log(f"[shard{s.shard}] {line}"))
+        for t in range(1, tries + 1):
+            t0 = time.perf_counter()
+            try:
+                worker, flow_run_id = runner(s.stage, spec_path, say, cfg.stage_timeout_s, python)
+            except StageJobError as e:
+                if on_job:
+                    on_job(s.shard, t, e.worker, e.flow_run_id, "failed", str(e), time.perf_counter() - t0)
+                if not e.transient or t == tries:
+                    raise
+                log(f"{s.job_id}: {str(e).splitlines()[0]}; retrying this shard alone (try {t + 1} of {tries})")
+                continue
+            if on_job:
+                on_job(s.shard, t, worker, flow_run_id, "published", None, time.perf_counter() - t0)
+            return
+
+    if shards == 1:
+        run_one(spec, 1)  # its retries are new attempts (the Prefect task's)
+        return Path(spec.out_dir) / MANIFEST
+    parts = shard_specs(spec, stage, cfg.seed, shards)
+    todo = [s for s in parts if published(s) is None]
+    log(f"{spec.stage_run_id}: {shards} shards" + (f", {shards - len(todo)} already published" if len(todo) < shards
+                                                   else ""))
+    failed: list[tuple[StageSpec, StageJobError]] = []
+    with ThreadPoolExecutor(max_workers=max(len(todo), 1), thread_name_prefix="shard") as pool:
+        futures = {pool.submit(run_one, s, 1 + cfg.stage_retries): s for s in todo}
+        for f in as_completed(futures):
+            try:
+                f.result()
+            except StageJobError as e:
+                failed.append((futures[f], e))
+    if failed:
+        s, e = min(failed, key=lambda x: x[0].shard)
+        raise StageJobError(f"{spec.stage_run_id}: shard(s) {sorted(x[0].shard for x in failed)} of {shards} failed; "
+                            f"shard {s.shard}: {e}", e.returncode, transient=False)
+    return merge_shards(spec, stage, parts)
+
+
 def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: str, *, code_version: str | None,
-                      log: Callable[[str], None] = print, task_run_id: str | None = None) -> StageResult:
+                      log: Callable[[str], None] = print, task_run_id: str | None = None,
+                      runner: JobRunner | None = None) -> StageResult:
     """Run one new attempt of a stage and commit it. Raises StageJobError/ManifestError on failure."""
     attempt = store.next_attempt(cfg.experiment, round, stage)
     ref = StageRunRef(cfg.experiment, round, stage, attempt)
     spec = build_spec(cfg, store, round, stage, attempt, code_version)
     out_dir = Path(spec.out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    spec_path = out_dir.with_name(out_dir.name + ".spec.json")
-    spec_path.write_text(spec.to_json())
     store.start_stage_run(ref, str(out_dir), spec.to_json(), spec.config_hash, spec.seed, task_run_id)
     t0 = time.perf_counter()
     log(f"{ref.stage_run_id}: starting job (seed {spec.seed})")
@@ -132,11 +228,17 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
         log(line)
         progress.stage_line(ref.stage_run_id, line)
 
+    lock = threading.Lock()  # shards finish on their own threads; the store takes one writer at a time
+
+    def on_job(shard: int, try_: int, worker: str | None, flow_run_id: str | None, status: str, error: str | None,
+               seconds: float) -> None:
+        with lock:
+            store.record_job(ref.stage_run_id, shard, try_, worker, flow_run_id, status, error, seconds)
+
     progress.stage_started(ref.stage_run_id)
     ok = False
     try:
-        run_job(stage, spec_path, job_log, cfg.stage_timeout_s, python=job_python(cfg, stage))
-        manifest = store.commit(ref, out_dir / MANIFEST)
+        manifest = store.commit(ref, execute(cfg, spec, runner=runner, log=job_log, on_job=on_job))
         ok = True
     except (StageJobError, ManifestError, StoreError) as e:
         store.fail_stage_run(ref, str(e))
@@ -168,7 +270,7 @@ def content_hashes(out_dir: Path) -> dict[str, str]:
     m = read_manifest(out_dir / MANIFEST)
     out: dict[str, str] = {}
     for table in sorted({o["table"] for o in m.outputs}):
-        data = pa.concat_tables([pq.read_table(out_dir / o["path"]) for o in m.outputs if o["table"] == table])
+        data = pa.concat_tables([pq.read_table(p) for p in m.output_paths(out_dir, table)])
         if "uri" in data.column_names:
             data = data.drop(["uri"])
         out[f"table:{table}"] = hashlib.sha256(json.dumps(data.to_pylist(), sort_keys=True, default=str).encode()).hexdigest()
@@ -186,13 +288,11 @@ def reproduce_stage(cfg: ExperimentConfig, store: Store, round: int, stage: str,
     if committed is None:
         raise StoreError(f"{cfg.experiment} round {round} stage {stage} has no committed attempt to reproduce")
     scratch = cfg.experiment_dir / "scratch" / f"r{round}" / stage / f"a{committed['attempt']}"
-    if scratch.exists():
-        shutil.rmtree(scratch)
+    for old in [scratch, *scratch.parent.glob(f"{scratch.name}.shard*")]:
+        if old.is_dir():
+            shutil.rmtree(old)
     spec = build_spec(cfg, store, round, stage, committed["attempt"], code_version, out_dir=scratch)
-    spec_path = scratch.with_name(scratch.name + ".spec.json")
-    spec_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(spec.to_json())
-    run_job(stage, spec_path, log, cfg.stage_timeout_s, python=job_python(cfg, stage))
+    execute(cfg, spec, log=log)
     a, b = content_hashes(Path(committed["out_dir"])), content_hashes(scratch)
     return {k: (a.get(k, ""), b.get(k, "")) for k in sorted(set(a) | set(b))}
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.config import ExperimentConfig, load_config_dict
-from components.manifest import MANIFEST, read_manifest, sha256_file
+from components.manifest import MANIFEST, part_path, read_manifest, sha256_file
 
 T = TypeVar("T")
 
@@ -45,10 +46,32 @@ class StageSpec:
     code_version: str | None = None
     inputs: list[InputRef] = field(default_factory=list)
     params: dict[str, Any] = field(default_factory=dict)
+    shard: int = 0  # this job's part of a sharded stage (`execution.shards`): 0..shards-1
+    shards: int = 1
 
     @property
     def stage_run_id(self) -> str:
         return f"{self.experiment}/r{self.round}/{self.stage}/a{self.attempt}"
+
+    @property
+    def job_id(self) -> str:
+        """The stage run, and the shard where the stage is sharded."""
+        return self.stage_run_id + (f"/shard{self.shard}" if self.shards > 1 else "")
+
+    def share(self, keys: Iterable[str], what: str = "problems") -> set[str]:
+        """The keys (problem ids) this shard works on: the distinct keys, sorted, dealt round-robin. Every key
+        falls to exactly one shard; with one shard, all of them.
+
+        >>> spec = StageSpec("e", 1, "verify", 1, "/tmp/x", 0, {}, "h", shard=1, shards=2)
+        >>> sorted(spec.share(["p3", "p1", "p2", "p1"]))
+        ['p2']
+        """
+        order = sorted(set(keys))
+        mine = set(order[self.shard::self.shards])
+        if not mine and self.shards > 1:
+            raise SpecError(f"{self.job_id}: execution.shards={self.shards} is more than the {len(order)} {what} "
+                            f"the stage has: shard {self.shard} would get none")
+        return mine
 
     def cfg(self) -> ExperimentConfig:
         return load_config_dict(self.config, source=f"spec of {self.stage_run_id}")
@@ -105,7 +128,7 @@ def _checked_parts(ref: InputRef, table: str) -> list[str]:
     if m.sha256 != ref.manifest_sha256:
         raise SpecError(f"{Path(ref.dir) / MANIFEST} changed after {ref.stage_run_id} was committed "
                         f"(sha256 {m.sha256[:12]}… vs {ref.manifest_sha256[:12]}…)")
-    listed = {str(Path(ref.dir) / o["path"]): o["sha256"] for o in m.outputs}
+    listed = {part_path(ref.dir, o["path"]): o["sha256"] for o in m.outputs}
     for p in ref.tables.get(table, []):
         if not Path(p).is_file():
             raise SpecError(f"committed input {p} of {ref.stage_run_id} is missing")

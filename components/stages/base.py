@@ -19,7 +19,7 @@ from typing import Any
 
 from components.config import ExperimentConfig
 from components.jobs.spec import InputRef, StageSpec
-from components.manifest import StageOutputWriter, read_manifest, sha256_dir
+from components.manifest import StageOutputWriter, part_path, read_manifest, sha256_dir
 from components.store import Store
 from components.tables import to_table
 
@@ -43,6 +43,12 @@ class Stage:
     seed_name: str | None = None
     # Samples from the policy with `generate.backend`: under vLLM its job runs in vLLM's environment.
     samples: bool = False
+    # A stage that can be sharded (`execution.shards`) says how its shards' metrics combine, and which tables
+    # are computed over all shards at once: `merge(spec, shard_metrics, read)` -> (metrics, {table: rows}),
+    # where `read(table)` gives the shards' rows of a table. It runs in the flow's process, after every shard
+    # published. None: the stage always runs as one job.
+    merge: Callable[[StageSpec, list[dict[str, float]], Callable[[str], list[dict[str, Any]]]],
+                    tuple[dict[str, float], dict[str, list[dict[str, Any]]]]] | None = None
 
 
 @dataclass
@@ -86,7 +92,7 @@ def input_ref(store: Store, experiment: str, round: int, stage: str) -> InputRef
         )
     tables: dict[str, list[str]] = {}
     for o in m.outputs:
-        tables.setdefault(o["table"], []).append(str(out_dir / o["path"]))
+        tables.setdefault(o["table"], []).append(part_path(out_dir, o["path"]))
     return InputRef(round=round, stage=stage, stage_run_id=run["stage_run_id"], dir=str(out_dir),
                     manifest_sha256=run["manifest_sha256"], tables=tables)
 
@@ -139,6 +145,23 @@ def backend_metrics(backend: Any) -> dict[str, float]:
     if hasattr(backend, "stats"):
         out |= {f"engine_{k}": float(v) for k, v in backend.stats().items()}
     return out
+
+
+def merged_counts(shard_metrics: list[dict[str, float]], maxed: tuple[str, ...] = ()) -> dict[str, float]:
+    """Shards' metrics as one stage's: counts add up; wall times and other `maxed` keys (the shards ran side by
+    side) take the largest; the engine's prefix-cache hit rate is recomputed from its summed counters.
+
+    >>> merged_counts([{"tokens": 5, "mc_seconds": 2.0}, {"tokens": 7, "mc_seconds": 3.0}], maxed=("mc_seconds",))
+    {'tokens': 12.0, 'mc_seconds': 3.0}
+    """
+    out: dict[str, float] = {}
+    for m in shard_metrics:
+        for k, v in m.items():
+            out[k] = max(out.get(k, v), v) if k in maxed else out.get(k, 0.0) + float(v)
+    if "engine_prefix_cache_hit_rate" in out:
+        q = out.get("engine_prefix_cache_queries", 0.0)
+        out["engine_prefix_cache_hit_rate"] = out.get("engine_prefix_cache_hits", 0.0) / q if q else 0.0
+    return {k: float(v) for k, v in out.items()}
 
 
 def trainer_settings(cfg: ExperimentConfig, section: str, max_length: int,

@@ -8,8 +8,8 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, reward_scores,
-                                   steps_by_trajectory, write)
+from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, merged_counts,
+                                   reward_scores, steps_by_trajectory, write)
 
 ROLES = ("prm", "orm", "implicit")
 
@@ -45,21 +45,30 @@ def plan(p: Planner) -> Inputs:
     return inputs
 
 
+def held_out(spec: StageSpec) -> list:
+    """The held-out problems: the first `evaluate.problems_per_level` of each level's test set."""
+    e, domain = spec.cfg().evaluate, domain_of(spec)
+    return [p for level in (e.levels or domain.levels()) for p in domain.test_set(level)[: e.problems_per_level]]
+
+
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.evaluation import evaluate, reward_metrics
+    from components.evaluation import evaluate
     from components.labeling import oracle_labels
 
     cfg, domain, inp = spec.cfg(), domain_of(spec), spec.inputs_as(Inputs)
     e = cfg.evaluate
-    levels = e.levels or domain.levels()
-    problems = [p for level in levels for p in domain.test_set(level)[: e.problems_per_level]]
+    problems = held_out(spec)
+    if spec.shards > 1:
+        mine = spec.share((p.problem_id for p in problems), "held-out problems")
+        problems = [p for p in problems if p.problem_id in mine]
     roles = [role for role in ROLES if getattr(inp, f"{role}_uri")]
     best_of_n = e.best_of_n if roles else []
     n_samples = max([e.maj_k, *best_of_n])
-    log("evaluate", f"{len(problems)} held-out problems at levels {levels}: greedy + {n_samples} samples"
-                    + (f", reward-model best-of-{best_of_n}" if best_of_n else ""))
+    log("evaluate", f"{len(problems)} held-out problems at levels {e.levels or domain.levels()}: greedy + "
+                    f"{n_samples} samples" + (f", reward-model best-of-{best_of_n}" if best_of_n else "")
+                    + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
     backend = backend_of(spec, inp.policy_uri)
-    batch, vers, rows = evaluate(
+    batch, vers, _ = evaluate(
         domain, backend, problems, experiment=spec.experiment, round=spec.round,
         model_id=inp.policy_model_id, maj_k=e.maj_k, temperature=e.temperature,
         max_new_tokens=e.max_new_tokens, seed=spec.seed, n_samples=n_samples,
@@ -67,48 +76,80 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     tables: dict[str, list[dict[str, Any]]] = {}
     if roles:
         steps = steps_by_trajectory(batch.steps)
-        correct = {v["trajectory_id"]: bool(v["correct"]) for v in vers}
         items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"],
                   "steps": steps.get(t["trajectory_id"], [])} for t in batch.trajectories]
         oracle_rows = oracle_labels(domain, {p.problem_id: p for p in problems}, [it for it in items if it["steps"]])
-        oracle: dict[str, list[bool]] = {}
-        for r in oracle_rows:
-            oracle.setdefault(r["trajectory_id"], []).append(r["value"] == 1.0)
-        score_rows, prm_steps, orm, implicit = [], None, None, None
+        score_rows = []
         for role in roles:
-            got = reward_scores(spec, role, getattr(inp, f"{role}_uri"), getattr(inp, f"{role}_model_id"),
-                                batch.trajectories, steps, reference_uri=inp.reference_uri)
-            score_rows += got
-            if role == "prm":
-                prm_steps = {t["trajectory_id"]: [] for t in batch.trajectories}
-                for r in got:
-                    if r["aggregate"] == "step":
-                        prm_steps[r["trajectory_id"]].append(r["value"])
-            elif role == "orm":
-                orm = {r["trajectory_id"]: r["value"] for r in got}
-            else:  # the weakest step ranks, as for the PRM
-                implicit = {r["trajectory_id"]: r["value"] for r in got if r["aggregate"] == "min"}
-        have = {(r["level"], r["metric"]) for r in rows}  # maj@N and pass@N for N = maj_k are already there
-        rows += [r for r in reward_metrics(batch.trajectories, correct, best_of_n=best_of_n, experiment=spec.experiment,
-                                           round=spec.round, model_id=inp.policy_model_id, prm_steps=prm_steps,
-                                           orm_scores=orm, implicit_scores=implicit, oracle=oracle, steps=steps)
-                 if (r["level"], r["metric"]) not in have]
+            score_rows += reward_scores(spec, role, getattr(inp, f"{role}_uri"), getattr(inp, f"{role}_model_id"),
+                                        batch.trajectories, steps, reference_uri=inp.reference_uri)
         tables = {"scores": score_rows, "step_labels": oracle_rows}
+    metrics = backend_metrics(backend)
+    if spec.shards > 1:  # the rows are over all shards' trajectories: `merge` computes them
+        write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
+              verifications=vers, **tables)
+        return metrics
+    rows = evaluation_rows(spec, problems, batch.trajectories, batch.steps, vers, tables)
     write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
           verifications=vers, evaluations=rows, **tables)
-    metrics = backend_metrics(backend)
-    for r in rows:
-        key = r["metric"] if r["level"] == -1 else f"{r['metric']}_L{r['level']}"
-        metrics[key] = r["value"]
+    return metrics | row_metrics(rows)
+
+
+def evaluation_rows(spec: StageSpec, problems: list, trajectories: list[dict[str, Any]], step_rows: list[dict[str, Any]],
+                    vers: list[dict[str, Any]], tables: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The `evaluations` rows of the policy's held-out trajectories, and with the round's reward models
+    (their `scores` and the oracle's `step_labels` in `tables`) best-of-N and the step-level metrics."""
+    from components.evaluation import outcome_rows, reward_metrics
+
+    cfg, domain, inp = spec.cfg(), domain_of(spec), spec.inputs_as(Inputs)
+    e = cfg.evaluate
+    correct = {v["trajectory_id"]: bool(v["correct"]) for v in vers}
+    rows = outcome_rows(domain, problems, trajectories, correct, maj_k=e.maj_k, experiment=spec.experiment,
+                        round=spec.round, model_id=inp.policy_model_id)
+    roles = [role for role in ROLES if getattr(inp, f"{role}_uri")]
+    if not roles:
+        return rows
+    steps = steps_by_trajectory(step_rows)
+    oracle: dict[str, list[bool]] = {}
+    for r in tables["step_labels"]:
+        oracle.setdefault(r["trajectory_id"], []).append(r["value"] == 1.0)
+    prm_steps, orm, implicit = None, None, None
+    for role in roles:
+        got = [r for r in tables["scores"] if r["model_id"] == getattr(inp, f"{role}_model_id")]
+        if role == "prm":
+            prm_steps = {t["trajectory_id"]: [] for t in trajectories}
+            for r in sorted(got, key=lambda r: (r["trajectory_id"], r["step_index"])):
+                if r["aggregate"] == "step":
+                    prm_steps[r["trajectory_id"]].append(r["value"])
+        elif role == "orm":
+            orm = {r["trajectory_id"]: r["value"] for r in got}
+        else:  # the weakest step ranks, as for the PRM
+            implicit = {r["trajectory_id"]: r["value"] for r in got if r["aggregate"] == "min"}
+    have = {(r["level"], r["metric"]) for r in rows}  # maj@N and pass@N for N = maj_k are already there
+    return rows + [r for r in reward_metrics(trajectories, correct, best_of_n=e.best_of_n, experiment=spec.experiment,
+                                             round=spec.round, model_id=inp.policy_model_id, prm_steps=prm_steps,
+                                             orm_scores=orm, implicit_scores=implicit, oracle=oracle, steps=steps)
+                   if (r["level"], r["metric"]) not in have]
+
+
+def row_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    metrics = {(r["metric"] if r["level"] == -1 else f"{r['metric']}_L{r['level']}"): r["value"] for r in rows}
     log("evaluate", " ".join(f"L{r['level']}={r['value']:.2f}" for r in rows
                              if r["metric"] == "greedy_acc" and r["level"] >= 0))
-    if roles:
+    if any(k.startswith(("prm_", "orm_", "implicit_")) for k in metrics):
         log("evaluate", " ".join(f"{k}={metrics[k]:.3f}" for k in sorted(metrics)
                                  if k.startswith(("prm_bon", "orm_bon", "implicit_bon", "maj_at", "prm_step_f1",
                                                   "processbench")) and "_L" not in k))
     return metrics
 
 
+def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple[dict[str, float], dict]:
+    """The `evaluations` rows over every shard's trajectories (a mean of means, or an F1 of F1s, would be wrong)."""
+    tables = {t: read(t) for t in ("scores", "step_labels")}
+    rows = evaluation_rows(spec, held_out(spec), read("trajectories"), read("steps"), read("verifications"), tables)
+    return merged_counts(shard_metrics) | row_metrics(rows), {"evaluations": rows}
+
+
 STAGE = Stage(name="evaluate", section="evaluate", gpu=True, reads=("bootstrap", "train_policy", "train_reward"),
               writes=("problems", "trajectories", "steps", "verifications", "evaluations", "scores", "step_labels"),
-              inputs=Inputs, plan=plan, run=run, samples=True)
+              inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

@@ -11,7 +11,7 @@ from components.manifest import StageOutputWriter
 from components.seeding import derive_seed
 from components.domains.base import unique_problems
 from components.stages.base import (Planner, PlanningError, Stage, backend_metrics, backend_of, domain_of, log,
-                                   reward_model_of, write)
+                                   merged_counts, reward_model_of, write)
 
 
 @dataclass
@@ -47,9 +47,13 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     for level in inp.levels:
         problems += domain.sample_problems(level, g.problems_per_level, seed=inp.problem_seeds[str(level)])
     problems = unique_problems(problems)
+    if spec.shards > 1:
+        mine = spec.share(p.problem_id for p in problems)
+        problems = [p for p in problems if p.problem_id in mine]
     per = (f"up to {g.samples_per_problem} samples each, {g.wave_size} per wave until {g.until_correct} right"
            if g.until_correct else f"{g.samples_per_problem} samples each")
-    log("generate", f"{len(problems)} problems at levels {inp.levels}, {per}")
+    log("generate", f"{len(problems)} problems at levels {inp.levels}, {per}"
+                    + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
     t0 = time.perf_counter()
     backend = backend_of(spec, inp.policy_uri)
     search_stats: dict[str, float] = {}
@@ -104,5 +108,10 @@ def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str,
     return search
 
 
+def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple[dict[str, float], dict]:
+    """The shards sampled side by side: their counts add up, and so do their throughputs."""
+    return merged_counts(shard_metrics, maxed=("adaptive_waves",)), {}
+
+
 STAGE = Stage(name="generate", section="generate", gpu=True, reads=(), writes=("problems", "trajectories", "steps"),
-              inputs=Inputs, plan=plan, run=run, samples=True)
+              inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

@@ -10,8 +10,9 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
-from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, problems_by_id,
-                                    reward_scores, steps_by_trajectory, write)
+from components.seeding import derive_seed
+from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, merged_counts,
+                                    problems_by_id, reward_scores, steps_by_trajectory, write)
 
 
 @dataclass
@@ -54,21 +55,32 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     vers = spec.rows("verify", "verifications")
     steps = steps_by_trajectory(spec.rows("generate", "steps"))
     problems = problems_by_id(spec.rows("generate", "problems"))
-    rows = outcome_scores(vers)
+    # Which trajectories get Monte Carlo labels is planned over the whole round, with the stage's seed (a
+    # shard's own seed drives only its rollouts), so the shards share one plan and one budget.
+    plan_seed = derive_seed(cfg.seed, spec.round, spec.stage)
+    if spec.shards > 1:
+        mine = spec.share(t["problem_id"] for t in trajs)
+    rows: list[dict[str, Any]] = []
     labels: list[dict[str, Any]] = []
     pairs: list[dict[str, Any]] = []  # step-level preference pairs, from the first_error search
-    metrics: dict[str, float] = {"scored": len(trajs)}
     items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"], "prompt": t["prompt"],
               "steps": steps.get(t["trajectory_id"], []), "answer_ref": problems[t["problem_id"]].answer}
              for t in trajs]
     if sc.mc_rollouts:
         correct = {v["trajectory_id"]: v["correct"] for v in vers}
         if sc.mc_strategy == "first_error":
-            chosen, alive = plan_first_error(trajs, correct, sc.mc_max_trajectories, spec.seed, sc.mc_search_unsolved)
+            chosen, alive = plan_first_error(trajs, correct, sc.mc_max_trajectories, plan_seed, sc.mc_search_unsolved)
             for it in items:
                 it["root_alive"] = it["problem_id"] in alive
         else:
-            chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, spec.seed))
+            chosen = set(choose_for_mc(trajs, correct, sc.mc_max_trajectories, plan_seed))
+    if spec.shards > 1:
+        trajs = [t for t in trajs if t["problem_id"] in mine]
+        items = [it for it in items if it["problem_id"] in mine]
+        vers = [v for v in vers if v["trajectory_id"] in {t["trajectory_id"] for t in trajs}]
+    rows += outcome_scores(vers)
+    metrics: dict[str, float] = {"scored": len(trajs)}
+    if sc.mc_rollouts:
         todo = [it for it in items if it["trajectory_id"] in chosen]
         log("score", f"Monte Carlo labels ({sc.mc_strategy}): {len(todo)} trajectories, k={sc.mc_rollouts} rollouts "
                      "per step prefix")
@@ -91,17 +103,30 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         labels += oracle  # for evaluation only: train_reward reads Monte Carlo sources alone
         metrics["oracle_labelled_steps"] = len(oracle)
     if inp.reward_model is not None:
-        rm_rows = reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
-                                reference_uri=inp.reference_uri)
-        rows += rm_rows
-        mins = [r["value"] for r in rm_rows if r["aggregate"] in ("min", "outcome") and r["step_index"] == -1]
-        metrics["rm_mean_score"] = sum(mins) / max(len(mins), 1)
+        rows += reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
+                              reference_uri=inp.reference_uri)
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
     write(out, scores=rows, step_labels=labels, step_pairs=pairs)
-    metrics["mean_outcome"] = sum(r["value"] for r in rows if r["scorer"] == "outcome") / max(len(trajs), 1)
-    return metrics
+    return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None)
+
+
+def mean_scores(rows: list[dict[str, Any]], scored: int, reward_model: bool) -> dict[str, float]:
+    """`mean_outcome`, and the reward model's mean trajectory score (`rm_mean_score`) where one scored."""
+    out = {"mean_outcome": sum(r["value"] for r in rows if r["scorer"] == "outcome") / max(scored, 1)}
+    if reward_model:
+        mins = [r["value"] for r in rows if r["scorer"] != "outcome" and r["aggregate"] in ("min", "outcome")
+                and r["step_index"] == -1]
+        out["rm_mean_score"] = sum(mins) / max(len(mins), 1)
+    return out
+
+
+def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple[dict[str, float], dict]:
+    """Counts add up, the shards' Monte Carlo seconds and search depth take the largest, and the mean scores
+    are over every shard's rows."""
+    metrics = merged_counts(shard_metrics, maxed=("mc_seconds", "mc_search_levels"))
+    return metrics | mean_scores(read("scores"), int(metrics["scored"]), "rm_mean_score" in metrics), {}
 
 
 STAGE = Stage(name="score", section="score", gpu=True, reads=("generate", "verify"),
               writes=("scores", "step_labels", "step_pairs"),
-              inputs=Inputs, plan=plan, run=run, samples=True)
+              inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

@@ -90,11 +90,14 @@ class FakeStore:
     def fail_stage_run(self, ref, error):
         self.failed.append(error)
 
+    def record_job(self, *a):
+        pass
+
 
 def _attempt(monkeypatch, tmp_path, store, job_lines, job_error=None):
     def fake_spec(cfg, store, round, stage, attempt, code_version):
         return SimpleNamespace(out_dir=str(tmp_path / f"r{round}" / stage / f"a{attempt}"), seed=1,
-                               config_hash="h", to_json=lambda: "{}")
+                               config_hash="h", to_json=lambda: "{}", stage=stage, shard=0, shards=1)
 
     def fake_job(stage, spec_path, log, timeout_s, python=None):
         for line in job_lines:
@@ -106,7 +109,8 @@ def _attempt(monkeypatch, tmp_path, store, job_lines, job_error=None):
     monkeypatch.setattr(launch, "run_job", fake_job)
     logged: list[str] = []
     rec = Recorder()
-    cfg = SimpleNamespace(experiment="e", stage_timeout_s=60, generate=SimpleNamespace(backend="hf"))
+    cfg = SimpleNamespace(experiment="e", stage_timeout_s=60, generate=SimpleNamespace(backend="hf"),
+                          execution=SimpleNamespace(shards=1))
     with installed(rec):
         try:
             run_stage_attempt(cfg, store, 1, "train_policy", code_version=None, log=logged.append)

@@ -1,0 +1,119 @@
+"""Stage jobs on a Prefect work pool: `PoolRunner` is a `components.jobs.launch.JobRunner`.
+
+Each job becomes a flow run of the deployment `stage_job/<pool>` (`flows/stage_job.py`, created here on
+first use), which a worker of the pool picks up and runs in its environment. This process waits for
+the run and tells its endings apart:
+
+- no worker picked it up within `execution.worker_timeout_s`: the run is cancelled and the stage fails,
+  naming the pool (not retried: a retry would wait the same way);
+- its heartbeat file (beside the spec, on shared storage) went quiet for `execution.heartbeat_timeout_s`:
+  its worker died; the run is marked Crashed and the job is a transient failure, which is retried;
+- it ended: Completed means the job published its manifest, which the caller verifies and commits;
+  Failed carries the job's own verdict (transient or not) from the heartbeat file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from uuid import UUID
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import StateType
+from prefect.exceptions import ObjectNotFound
+from prefect.states import Cancelled, Crashed
+
+from components.config import ExperimentConfig
+from components.jobs.launch import StageJobError
+
+FLOW = "stage_job"
+ENTRYPOINT = "flows.stage_job.stage_job"  # a module path: the worker imports the installed project
+POLL_S = 1.0
+
+
+class PoolError(StageJobError):
+    """The pool cannot run the job: it does not exist, or no worker polls it."""
+
+    def __init__(self, message: str):
+        super().__init__(message, None, transient=False)
+
+
+def ensure_deployment(client, pool: str) -> UUID:
+    """The pool's `stage_job` deployment, created (or updated) on first use; an unknown pool is an error."""
+    try:
+        client.read_work_pool(pool)
+    except ObjectNotFound:
+        raise PoolError(f"unknown work pool {pool!r} (execution.pool / COEVO_POOL): create it with "
+                        f"`prefect work-pool create {pool} --type process`, or see infra/k8s-stage-job.yaml") from None
+    flow_id = client.create_flow_from_name(FLOW)
+    return client.create_deployment(flow_id=flow_id, name=pool, work_pool_name=pool, entrypoint=ENTRYPOINT,
+                                    tags=["coevo"], enforce_parameter_schema=False, pull_steps=[],
+                                    description="One coevo stage job: python -m components.jobs <stage> --spec <spec>")
+
+
+class PoolRunner:
+    """Run stage jobs as flow runs on `pool` (see the module docstring)."""
+
+    def __init__(self, cfg: ExperimentConfig, pool: str):
+        self.pool = pool
+        self.worker_timeout_s = cfg.execution.worker_timeout_s
+        self.heartbeat_timeout_s = cfg.execution.heartbeat_timeout_s
+
+    def __call__(self, stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+                 python: str | None) -> tuple[str, str | None]:
+        beat_path = Path(str(spec_path) + ".heartbeat")
+        beat_path.unlink(missing_ok=True)  # a retry's file must not read as the last try's
+        with get_client(sync_client=True) as client:
+            deployment_id = ensure_deployment(client, self.pool)
+            # <experiment>/r<round>/<stage>/a<attempt>[.shard<k>], as the folder it writes
+            name = "/".join([*spec_path.parts[-4:-1], spec_path.name.removesuffix(".spec.json")])
+            run = client.create_flow_run_from_deployment(
+                deployment_id, parameters={"stage": stage, "spec": str(spec_path.resolve()), "timeout_s": timeout_s},
+                name=name, tags=["coevo", f"stage:{stage}"])
+            log(f"{stage}: flow run {run.name} ({run.id}) on work pool {self.pool}")
+            return self._wait(client, run.id, beat_path, stage, timeout_s)
+
+    def _wait(self, client, run_id: UUID, beat_path: Path, stage: str, timeout_s: float) -> tuple[str, str | None]:
+        t0 = time.monotonic()
+        started: float | None = None
+        while True:
+            time.sleep(POLL_S)
+            state = client.read_flow_run(run_id).state
+            kind = state.type if state else StateType.SCHEDULED
+            beat = _read(beat_path)
+            worker = beat.get("worker")
+            if kind in (StateType.SCHEDULED, StateType.PENDING) and not beat:
+                if time.monotonic() - t0 > self.worker_timeout_s:
+                    client.set_flow_run_state(run_id, Cancelled(message="no worker picked it up"), force=True)
+                    raise PoolError(f"no worker of work pool {self.pool!r} picked up the {stage} job within "
+                                    f"execution.worker_timeout_s={self.worker_timeout_s}s: start one with "
+                                    f"`prefect worker start --pool {self.pool}`")
+                continue
+            started = started or time.monotonic()
+            # The job's own ending, from the heartbeat file, comes first: the flow run's state follows it.
+            if beat.get("status") == "published" or kind == StateType.COMPLETED:
+                return worker or "unknown", str(run_id)
+            if beat.get("status") == "failed" or kind in (StateType.FAILED, StateType.CRASHED, StateType.CANCELLED):
+                msg = beat.get("error") or f"flow run {run_id} ended {kind.value}: {state.message}"
+                transient = beat.get("transient", kind != StateType.FAILED)
+                raise StageJobError(f"{stage} job on worker {worker}: {msg}", beat.get("returncode"),
+                                    transient=bool(transient), worker=worker, flow_run_id=str(run_id))
+            quiet = time.time() - beat["time"] if beat else time.monotonic() - started
+            if beat.get("status") == "running" and quiet > self.heartbeat_timeout_s:
+                client.set_flow_run_state(run_id, Crashed(message=f"no heartbeat for {quiet:.0f}s"), force=True)
+                raise StageJobError(f"{stage} job lost: worker {worker} sent no heartbeat for {quiet:.0f}s "
+                                    f"(execution.heartbeat_timeout_s={self.heartbeat_timeout_s})", None,
+                                    transient=True, worker=worker, flow_run_id=str(run_id))
+            if time.monotonic() - started > timeout_s + self.heartbeat_timeout_s:
+                client.set_flow_run_state(run_id, Cancelled(message="timed out"), force=True)
+                raise StageJobError(f"{stage} job on worker {worker} timed out after {timeout_s:.0f}s", None,
+                                    transient=True, worker=worker, flow_run_id=str(run_id))
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
