@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -241,7 +241,49 @@ class DPOConfig(_Section):
     max_length: int = Field(256, ge=2, description="Tokens of prompt + completion; longer pairs are counted.")
 
 
-class TrainPolicyConfig(_Section):
+class _TrainingProcesses(_Section):
+    """How many processes train together: the training sections' `processes` and `strategy`.
+
+    Both are left out of `to_dict` (so of `config_hash`, specs and MLflow params) at their defaults: a config
+    written before they existed hashes as it did. Set otherwise they are content: N processes reduce each
+    batch in another order, so the numbers differ in their last bits."""
+
+    section: ClassVar[str] = ""
+
+    processes: int = Field(
+        1, ge=1, exclude_if=lambda v: v == 1,
+        description="Processes that train together, one per GPU (CPU processes on the gloo backend where there is "
+                    "none): the job runs under `accelerate launch --num_processes N`, each process trains on "
+                    "batch_size / N examples of every batch (the global batch stays batch_size), and only the "
+                    "first writes the stage's outputs. It must divide every batch size the section trains with.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", exclude_if=lambda v: v == "ddp",
+        description="processes > 1: 'ddp', every process holds the whole model (DistributedDataParallel); 'fsdp', "
+                    "weights, gradients and optimizer state sharded over the processes (FSDP2; CUDA GPUs and "
+                    "full fine-tuning only).")
+
+    def _batches(self) -> dict[str, int]:
+        """The batch sizes this section trains with, by their config key."""
+        return {}
+
+    @model_validator(mode="after")
+    def _processes_split_every_batch(self) -> "_TrainingProcesses":
+        n, where = self.processes, f"{self.section}.processes"
+        for key, batch in self._batches().items():
+            if n > batch:
+                raise ValueError(f"{where}={n} exceeds {key}={batch}: each process trains on batch / processes "
+                                 "examples of every batch, at least one")
+            if batch % n:
+                raise ValueError(f"{where}={n} must divide {key}={batch}: each process trains on an equal share "
+                                 "(batch / processes) of every batch, so the global batch stays the same")
+        if self.strategy == "fsdp" and n < 2:
+            raise ValueError(f"{self.section}.strategy=fsdp shards the model over processes: set {where} >= 2")
+        return self
+
+
+class TrainPolicyConfig(_TrainingProcesses):
+    section: ClassVar[str] = "train_policy"
+
     method: Literal["sft", "dpo", "sft+dpo"] = Field(
         "sft", description="'sft' on the selected trajectories; 'dpo' on the filter's pairs; 'sft+dpo' both, "
                            "SFT first.")
@@ -263,9 +305,15 @@ class TrainPolicyConfig(_Section):
     max_length: int = Field(256, ge=2, description="Tokens of prompt + completion; longer examples are counted.")
     gradient_accumulation_steps: int = Field(1, ge=1)
 
+    def _batches(self) -> dict[str, int]:
+        return {"train_policy.batch_size": self.batch_size} | (
+            {"train_policy.dpo.batch_size": self.dpo.batch_size} if self.method != "sft" else {})
 
-class TrainRewardConfig(_Section):
+
+class TrainRewardConfig(_TrainingProcesses):
     """The round's process reward model, trained on Monte Carlo step labels (and optionally an ORM)."""
+
+    section: ClassVar[str] = "train_reward"
 
     enabled: bool = False
     label_source: Literal["mc_hard", "mc_soft"] = Field(
@@ -299,6 +347,9 @@ class TrainRewardConfig(_Section):
     max_length: int = Field(256, ge=2, description="Tokens of prompt + steps (PRM) or prompt + completion (ORM); "
                                                    "longer ones are counted (policy.max_truncated_fraction).")
     lora: LoraConfig | None = Field(None, description="Train the PRM with LoRA adapters (saved merged); null: in full.")
+
+    def _batches(self) -> dict[str, int]:
+        return {"train_reward.batch_size": self.batch_size}  # the ORM's (ORMParams) is checked when it trains
 
     @model_validator(mode="after")
     def _lm_weight_needs_an_lm(self) -> "TrainRewardConfig":

@@ -5,13 +5,19 @@
 Exit codes: 0 success (manifest published), 2 bad spec or input, 75 a transient engine or server fault
 (a timeout, a server gone away: the flow retries it), 1 any other failure. A job that
 dies at any point leaves only an `a<k>.tmp/` folder, which nothing reads.
+
+Under `accelerate launch` (a training stage with `processes` > 1, see `launch.job_command`) every process
+runs the stage and trains, and only the first (RANK 0) writes the attempt: its tables, model and manifest.
+The others write into a scratch folder of their own, removed at the end, and print nothing to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -23,6 +29,21 @@ from components.models.backends import BackendError
 from components.seeding import seed_everything
 
 
+def _die_with_launcher() -> None:
+    """Under `accelerate launch` torchrun starts each process in a session of its own, so the SIGKILL that ends a
+    job past its timeout (`run_job`) reaches the launcher alone: have the kernel kill this process too when the
+    launcher dies (Linux's PR_SET_PDEATHSIG), as a lone job dies."""
+    if "LOCAL_RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher or launcher == 1:  # it died before the call (orphans go to init)
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
     from components.stages import STAGES
 
@@ -30,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stage", choices=sorted(STAGES))
     ap.add_argument("--spec", required=True, help="path to the stage spec JSON")
     args = ap.parse_args(argv)
+    _die_with_launcher()
     try:
         spec = StageSpec.from_file(args.spec)
         if spec.stage != args.stage:
@@ -51,11 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     # From `run_job`'s launch to here: the interpreter, the imports, the spec (benchmarks/scale.py).
     launched = float(os.environ.get("COEVO_JOB_LAUNCHED_AT", "nan"))
     startup = {"startup_s": round(time.time() - launched, 3)} if launched == launched else {}
+    rank = int(os.environ.get("RANK", "0"))  # torchrun's (accelerate launch); a lone job is rank 0
+    scratch = None
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the first process reports; errors still reach stderr
+        scratch = Path(tempfile.mkdtemp(prefix=f"coevo-rank{rank}-"))
     t0 = time.perf_counter()
     try:
-        out = StageOutputWriter(Path(spec.out_dir))
+        # Never `out_dir` nor its `.tmp` but in the first process: the others' writes go to their scratch.
+        out = StageOutputWriter(Path(spec.out_dir) if scratch is None else scratch / "out")
         metrics = STAGES[spec.stage].run(spec, out)
         total = time.perf_counter() - t0
+        if scratch is not None:
+            return 0
         manifest = Manifest(
             experiment=spec.experiment, round=spec.round, stage=spec.stage, attempt=spec.attempt,
             config_hash=spec.config_hash, seed=spec.seed, code_version=spec.code_version,
@@ -72,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_TRANSIENT if e.transient else 1
     except Exception:
         traceback.print_exc()
-        print(f"error: {spec.stage_run_id} failed", file=sys.stderr)
+        print(f"error: {spec.stage_run_id} failed" + (f" (rank {rank})" if rank else ""), file=sys.stderr)
         return 1
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     print(f"[{spec.stage}] wrote {path} in {total:.1f}s", flush=True)
     return 0
 

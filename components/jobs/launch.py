@@ -95,8 +95,46 @@ def pool_of(cfg: ExperimentConfig, stage: str) -> str | None:
 
 def job_command(stage: str, spec_path: Path, python: str | None = None) -> list[str]:
     """`python -m components.jobs <stage> --spec …` (see `job_python`). The job imports this checkout
-    (PYTHONPATH), so another environment needs only the packages, not an install of the project."""
-    return [python or job_python(None, stage), "-m", "components.jobs", stage, "--spec", str(spec_path)]
+    (PYTHONPATH), so another environment needs only the packages, not an install of the project. A training
+    stage whose section sets `processes` > 1 runs under `accelerate launch` (`accelerate_launch_args`)."""
+    return [python or job_python(None, stage), *accelerate_launch_args(stage, spec_path),
+            "-m", "components.jobs", stage, "--spec", str(spec_path)]
+
+
+def accelerate_launch_args(stage: str, spec_path: Path) -> list[str]:
+    """`-m accelerate.commands.launch --num_processes N …` where the spec's config sets the stage's section's
+    `processes` (train_policy, train_reward) above 1; [] otherwise, and where the spec is not written yet.
+
+    With CUDA, one process per GPU: `--multi_gpu` (DDP over NCCL), or `--use_fsdp` (FSDP2, the full state dict
+    gathered to save, each process loading the whole checkpoint as under DDP). Without CUDA, N CPU processes on
+    gloo: accelerate's `--cpu` launcher starts one process (more need mpirun), so torchrun's (`--multi_gpu`)
+    starts them, and the trainers, finding no GPU (`use_cpu`), join them on gloo. Port 0: accelerate picks a
+    free one. Raises StageJobError (not transient) where the machine cannot run it.
+    """
+    import json
+
+    stage_def = STAGES.get(stage)
+    if stage_def is None or not Path(spec_path).is_file():
+        return []
+    section = (json.loads(Path(spec_path).read_text()).get("config") or {}).get(stage_def.section) or {}
+    n, strategy = int(section.get("processes", 1)), section.get("strategy", "ddp")
+    if n <= 1:
+        return []
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = f"{stage_def.section}.processes={n}"
+    if strategy == "fsdp" and not gpus:
+        raise StageJobError(f"stage {stage}: {stage_def.section}.strategy=fsdp shards the model over CUDA GPUs, and "
+                            "this machine has none; use strategy=ddp (CPU processes on gloo)", None, transient=False)
+    if gpus and n > gpus:
+        raise StageJobError(f"stage {stage}: {where} needs a CUDA GPU per process; this machine has {gpus}",
+                            None, transient=False)
+    mode = (["--use_fsdp", "--fsdp_version", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_state_dict_type", "FULL_STATE_DICT", "--fsdp_cpu_ram_efficient_loading", "false"]
+            if strategy == "fsdp" else ["--multi_gpu"])
+    return ["-m", "accelerate.commands.launch", "--num_processes", str(n), *mode, "--num_machines", "1",
+            "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
 def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,

@@ -31,8 +31,9 @@ from typing import Any
 from components.models.prompts import RAW, PromptFormat, chat_turn_end, check_prompt_format, render_prompt
 from components.rewards import device, losses, pad_right, save_checkpoint, trainer_kwargs
 from components.rewards.prm import full_checkpoint
-from components.training.common import (check_dtype, check_loaded_dtype, check_truncation, quiet_datasets,
-                                        token_lengths, torch_dtype)
+from components.training.common import (check_dtype, check_loaded_dtype, check_truncation, process_batch,
+                                        processes_metric, quiet_datasets, save_trained, token_lengths,
+                                        torch_dtype)
 
 
 @dataclass
@@ -129,9 +130,11 @@ def train_orm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
             dtype=torch_dtype(params.dtype))
         check_loaded_dtype(model, lora=False, use_cpu=use_cpu, where="ORMParams")
         model.config.pad_token_id = tok.pad_token_id
+        per_process = process_batch(params.batch_size, "the ORM's batch (ORMParams.batch_size)", params.setting)
         # RewardConfig turns gradient checkpointing (and bf16) on by default; both only slow a small fp32 model down.
-        args = RewardConfig(**trainer_kwargs(params, scratch), activation_checkpointing=False,
-                            max_length=params.max_length, eos_token=eos if fmt.kind == "chat" else None)
+        args = RewardConfig(**(trainer_kwargs(params, scratch) | {"per_device_train_batch_size": per_process}),
+                            activation_checkpointing=False, max_length=params.max_length,
+                            eos_token=eos if fmt.kind == "chat" else None)
         with quiet_datasets():  # TRL's dataset.map progress bars would flood the stage log
             trainer = RewardTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
                                     processing_class=tok)
@@ -139,14 +142,14 @@ def train_orm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
         t0 = time.perf_counter()
         out = trainer.train()
         runtime = time.perf_counter() - t0
-    save_checkpoint(trainer.model, tok, out_dir)
+    save_trained(trainer, out_dir, lambda: save_checkpoint(trainer.model, tok, out_dir), tok)
     hist = losses(trainer.state.log_history)
     accuracy = [float(h["accuracy"]) for h in trainer.state.log_history if "accuracy" in h]
     return {
         "train_loss": float(out.training_loss), "first_loss": hist[0] if hist else float("nan"),
         "final_loss": hist[-1] if hist else float("nan"), "final_pair_accuracy": accuracy[-1] if accuracy else
         float("nan"), "steps": int(out.global_step), "runtime_s": runtime, "pairs": used,
-        "prompts": len({p["prompt"] for p in pairs}), **truncation,
+        "prompts": len({p["prompt"] for p in pairs}), **truncation, **processes_metric(trainer),
     }
 
 

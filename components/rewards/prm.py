@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 
 from components.models.prompts import RAW, PromptFormat, check_prompt_format, render_prompt
 from components.rewards import device, losses, pad_right, save_checkpoint, token_logprobs, trainer_kwargs
-from components.training.common import check_dtype, check_loaded_dtype, check_truncation, torch_dtype
+from components.training.common import (check_dtype, check_fsdp, check_loaded_dtype, check_truncation, process_batch,
+                                        processes_metric, save_trained, torch_dtype, training_processes)
 from components.training.lora import LoraParams, is_adapter_dir, load_causal_lm, lora_config
 
 STEP_SEPARATOR = "\n"  # TRL's PRM default, and arith's and gsm8k's (a domain names its own: `step_separator`)
@@ -184,6 +185,8 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
                          f"a {params.head!r} one (set train_reward.init=policy)")
     use_cpu = device() == "cpu"  # as trainer_kwargs decides it
     check_dtype(params.dtype, lora=params.lora is not None, use_cpu=use_cpu, where="PRMParams")
+    check_fsdp(params.setting, **{f"{params.setting}.lora": params.lora is not None,
+                                  f"{params.setting}.head=likelihood": params.head == "likelihood"})
     source = init_from_prm or base_model_path
     tok = AutoTokenizer.from_pretrained(source)
     if tok.pad_token is None:
@@ -219,14 +222,20 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
     with tempfile.TemporaryDirectory() as scratch:  # Trainer wants an output_dir; nothing of it is kept
         set_seed(params.seed)
         kwargs = trainer_kwargs(params, "")
+        kwargs["per_device_train_batch_size"] = process_batch(params.batch_size, f"{params.setting}.batch_size",
+                                                              params.setting)
         if params.head == "classifier":
             model = _token_classifier(source, dtype, Path(scratch) / "base")
             trainer_cls, collator, extra = Trainer, DataCollatorForTokenClassification(tok), {}
+            if training_processes() > 1:
+                extra["compute_loss_func"] = _token_loss
         else:
             model = load_causal_lm(source, dtype)  # an adapter folder: its base, the adapter merged in
             trainer_cls, collator = _trainer_class(), _likelihood_collator(tok.pad_token_id)
             extra = {"lm_weight": params.lm_weight}
             kwargs["remove_unused_columns"] = False  # the collator's extra columns are not forward() arguments
+            if training_processes() > 1:  # the calibration joins the loss outside forward(), where DDP's search
+                kwargs["ddp_find_unused_parameters"] = False  # for unused parameters would take it for unused
         check_loaded_dtype(model, lora=params.lora is not None, use_cpu=use_cpu, where="PRMParams")
         kwargs["fp16"] = model.dtype == torch.float16  # fp16 weights (LoRA only) need the Trainer's loss scaler
         model.config.pad_token_id = tok.pad_token_id
@@ -251,14 +260,14 @@ def train_prm(base_model_path: str, examples: list[dict[str, Any]], out_dir: str
         model.config.prm_head = "likelihood"
         model.config.prm_calibration = values
         calibration = dict(zip(("scale", "bias"), values))
-    save_checkpoint(model, tok, out_dir)
+    save_trained(trainer, out_dir, lambda: save_checkpoint(model, tok, out_dir), tok)
     hist = losses(trainer.state.log_history)
     return {
         "train_loss": float(out.training_loss), "first_loss": hist[0] if hist else float("nan"),
         "final_loss": hist[-1] if hist else float("nan"), "steps": int(out.global_step), "runtime_s": runtime,
         "examples": len(rows), "labelled_steps": n_lab, "good_fraction": n_pos / max(n_lab, 1),
         "init": "prm" if init_from_prm else "policy", **{f"calibration_{k}": v for k, v in calibration.items()},
-        **truncation,
+        **truncation, **processes_metric(trainer),
     }
 
 
@@ -357,15 +366,42 @@ def _likelihood_collator(pad_id: int):
     return collate
 
 
-def _likelihood_loss(model: Any, inputs: dict[str, Any], lm_weight: float) -> Any:
-    """Binary cross-entropy of each labelled step's score, plus `lm_weight` x the LM loss of all-good rows."""
+def _token_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+    """The classifier PRM's loss under N processes: the cross-entropy summed over this process's labelled steps,
+    over the count of all processes' (`num_items_in_batch`, which the Trainer gathers, then multiplies the loss
+    by N against DDP's mean of the gradients), so the step is one process's over the whole batch. The model's own
+    loss (transformers 5.23's token classifier) drops the count and averages over its process's steps alone,
+    which the Trainer's multiplication then scales N times."""
+    import torch.nn.functional as F
+
+    logits = outputs.logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).to(logits.device),
+                           ignore_index=-100, reduction="sum")
+    return loss / (num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum().clamp(min=1))
+
+
+def _likelihood_loss(model: Any, inputs: dict[str, Any], lm_weight: float, calibration: Any = None,
+                     counts: Any = None) -> Any:
+    """Binary cross-entropy of each labelled step's score, plus `lm_weight` x the LM loss of all-good rows.
+
+    Under N processes `calibration` is the unwrapped model's and `counts(steps, lm_tokens)` turns this process's
+    counts into the divisors: each term is summed here and divided by all processes' count over N, so DDP's
+    mean of the N gradients is one process's over the whole batch."""
     import torch.nn.functional as F
 
     out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
     labels = inputs["step_labels"]
-    z = _likelihood_step_logits(model.prm_calibration, out.logits, inputs["input_ids"], inputs["step_of_token"],
-                                labels.shape[1])
+    z = _likelihood_step_logits(model.prm_calibration if calibration is None else calibration, out.logits,
+                                inputs["input_ids"], inputs["step_of_token"], labels.shape[1])
     keep = labels != -100
+    if counts is not None:
+        lm = inputs["lm_labels"][:, 1:]
+        n_steps, n_lm = counts(keep.sum(), (lm != -100).sum())
+        loss = F.binary_cross_entropy_with_logits(z[keep], labels[keep].float(), reduction="sum") / n_steps
+        if lm_weight:
+            loss = loss + lm_weight * F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(),
+                                                      lm.reshape(-1), ignore_index=-100, reduction="sum") / n_lm
+        return loss
     loss = F.binary_cross_entropy_with_logits(z[keep], labels[keep].float()) if keep.any() else z.new_zeros(())
     lm = inputs["lm_labels"][:, 1:]
     if lm_weight and (lm != -100).any():
@@ -394,7 +430,15 @@ def _trainer_class():
             return opt
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):  # noqa: ARG002
-            loss = _likelihood_loss(model, inputs, self.lm_weight)
+            n = self.accelerator.num_processes
+            if n == 1:
+                loss = _likelihood_loss(model, inputs, self.lm_weight)
+            else:
+                def counts(*local: Any) -> list[Any]:  # all processes' counts over N (at least one item's worth)
+                    return [(self.accelerator.reduce(c.float(), "sum") / n).clamp(min=1 / n) for c in local]
+
+                loss = _likelihood_loss(model, inputs, self.lm_weight,
+                                        self.accelerator.unwrap_model(model).prm_calibration, counts)
             return (loss, None) if return_outputs else loss
 
     return LikelihoodTrainer

@@ -55,6 +55,11 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
     cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
     tr = cfg.train_reward
+    if tr.orm:  # the ORM trains with its own batch, after the PRM: one it cannot split fails now, not after the PRM
+        from components.rewards.orm import ORMParams
+        from components.training.common import process_batch
+
+        process_batch(ORMParams.batch_size, "the ORM's batch (ORMParams.batch_size)", "train_reward")
     domain = domain_of(spec)
     examples, decisions, outcome_examples, labelled_round = [], [], [], {}
     for r in inp.label_rounds:

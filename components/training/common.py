@@ -1,5 +1,5 @@
 """What every trainer here shares (SFT, DPO, the reward models): schedule checks, the load dtype, counted
-truncation, the chat turn end as EOS, loading and saving.
+truncation, the chat turn end as EOS, loading and saving, and training on several processes.
 
     dtype = check_dtype("bfloat16", lora=False, use_cpu=True, where="SFTParams")
     model, tok = load_for_training("workdir/.../model", num_threads=1, dtype="bfloat16")
@@ -15,6 +15,7 @@ change (`setting` is the caller's config section, e.g. "train_policy").
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,70 @@ def keep_safetensors_only(out: Path) -> None:
         raise RuntimeError(f"{out}: refusing pickled checkpoint files {pickles}; safetensors only")
     if not any(out.glob("*.safetensors")):
         raise RuntimeError(f"{out}: no safetensors weights were written")
+
+
+# -- several processes (`accelerate launch`) -------------------------------------------------------
+#
+# A training stage with `processes: N` runs N copies of its job (components/jobs/launch.py). The Trainer
+# finds torchrun's environment and trains under DDP (or FSDP); each process takes batch / N examples of
+# every global batch, so the run steps on the batches one process would, and only the main process saves.
+
+def training_processes() -> int:
+    """Processes training together: torchrun's WORLD_SIZE under `accelerate launch`, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def process_batch(batch_size: int, name: str, section: str) -> int:
+    """`per_device_train_batch_size` for a global batch of `batch_size`: its share in each process. `name` is the
+    batch's setting and `section` the config section whose `processes` runs it, for the error.
+
+    >>> process_batch(64, "train_policy.batch_size", "train_policy")
+    64
+    """
+    n = training_processes()
+    if batch_size % n:
+        raise ValueError(f"{name}={batch_size} does not split over {section.split('.')[0]}.processes={n} "
+                         "training processes: set processes to a divisor of it")
+    return batch_size // n
+
+
+def check_fsdp(setting: str, **unsupported: bool) -> None:
+    """Under FSDP (`strategy: fsdp`) every process holds a shard of the weights, and only the full weights are
+    gathered to save: refuse what needs the model whole afterwards (a LoRA merge, the likelihood PRM's
+    calibration), naming each setting that asks for it."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    bad = [name for name, on in unsupported.items() if on]
+    if bad:
+        raise ValueError(f"{setting.split('.')[0]}.strategy=fsdp saves full fine-tuned weights only, not with "
+                         f"{', '.join(bad)}: use strategy=ddp")
+
+
+def processes_metric(trainer: Any) -> dict[str, int]:
+    """{"processes": N} where N > 1 processes trained, for a trainer's metrics; {} for one, whose metrics stay
+    as they were."""
+    n = trainer.accelerator.num_processes
+    return {"processes": n} if n > 1 else {}
+
+
+def save_trained(trainer: Any, out_dir: str | Path, save: Callable[[], None], tok: Any = None) -> None:
+    """Write what `trainer` trained to `out_dir` once. One process: `save()`, as ever. Under DDP every process
+    holds the same weights and the main one calls `save()`. Under FSDP each holds a shard: `save_model` gathers
+    the full state dict (a collective every process joins) and the main process writes it, `tok` beside it.
+    Every process then waits for the write."""
+    acc = trainer.accelerator
+    if acc.num_processes == 1:
+        save()
+        return
+    if trainer.is_fsdp_enabled:
+        trainer.save_model(str(out_dir))
+        if acc.is_main_process:
+            (Path(out_dir) / "training_args.bin").unlink(missing_ok=True)  # save_model pickles the arguments too
+            if tok is not None:
+                tok.save_pretrained(out_dir)
+    elif acc.is_main_process:
+        save()
+    acc.wait_for_everyone()
 
 
 # -- chat turn end -------------------------------------------------------------------------------

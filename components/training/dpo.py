@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from components.models.prompts import RAW, PromptFormat, render_prompt
-from components.training.common import (ProgressCallback, check_dtype, check_schedule, check_truncation,
-                                        keep_safetensors_only, load_policy_to_train, quiet_datasets, token_lengths)
+from components.training.common import (ProgressCallback, check_dtype, check_fsdp, check_schedule, check_truncation,
+                                        keep_safetensors_only, load_policy_to_train, process_batch, processes_metric,
+                                        quiet_datasets, save_trained, token_lengths)
 from components.training.lora import LoraParams, is_adapter_dir, load_causal_lm, lora_config, save_lora
 
 # TRL 1.16 DPOConfig.loss_type choices. "exo_pair" is left out: it needs label_smoothing > 0, which these
@@ -101,6 +102,7 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
     from components.rewards import save_checkpoint
 
     _check_pairs(pairs)
+    check_fsdp(params.setting, **{"policy.lora": params.lora is not None})
     model, tok, use_cpu = load_policy_to_train(model_path, params)
     fmt = params.prompt_format
     # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
@@ -152,17 +154,19 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
     tok.padding_side = "left"  # saved for generation
     trained = trainer.accelerator.unwrap_model(trainer.model)
     if params.lora:
-        save_lora(trained, tok, out_dir, params.lora, base=model_path)
-        keep_safetensors_only(Path(out_dir))
+        save_trained(trainer, out_dir, lambda: save_lora(trained, tok, out_dir, params.lora, base=model_path))
+        if trainer.accelerator.is_main_process:  # the only one that wrote
+            keep_safetensors_only(Path(out_dir))
     else:
-        save_checkpoint(trained, tok, out_dir)
-        if not (Path(out_dir) / "model.safetensors").exists():
+        save_trained(trainer, out_dir, lambda: save_checkpoint(trained, tok, out_dir), tok)
+        if trainer.accelerator.is_main_process and not (Path(out_dir) / "model.safetensors").exists():
             raise RuntimeError(f"{out_dir}: no model.safetensors was written")
     losses = [float(h["loss"]) for h in history if "loss" in h]
     return {
         "train_loss": float(result.training_loss),
         "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
         "steps": int(result.global_step), "runtime_s": runtime, "pairs": used, **truncation,
+        **processes_metric(trainer),
         **{k: _last(history, k) for k in ("rewards/accuracies", "rewards/margins")},
     }
 
@@ -174,7 +178,8 @@ def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool, fp
         loss_type, loss_weights = [params.loss_type, "sft"], [1.0, params.sft_weight]
     return DPOConfig(
         output_dir=output_dir,  # scratch: with save_strategy="no" nothing lands there
-        max_steps=params.max_steps, per_device_train_batch_size=params.batch_size,
+        max_steps=params.max_steps,  # each of N processes (`accelerate launch`) takes 1/N of every batch
+        per_device_train_batch_size=process_batch(params.batch_size, f"{params.setting}.batch_size", params.setting),
         learning_rate=params.learning_rate, lr_scheduler_type="linear",
         warmup_steps=params.warmup_ratio,  # transformers 5 dropped warmup_ratio: a float < 1 is a ratio
         seed=params.seed, data_seed=params.seed, use_cpu=use_cpu,

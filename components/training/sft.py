@@ -29,9 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from components.models.prompts import RAW, PromptFormat, render_prompt
-from components.training.common import (ProgressCallback, TruncationError, check_dtype, check_schedule,
+from components.training.common import (ProgressCallback, TruncationError, check_dtype, check_fsdp, check_schedule,
                                         check_truncation, keep_safetensors_only, load_for_training,
-                                        load_policy_to_train, quiet_datasets, token_lengths)
+                                        load_policy_to_train, process_batch, processes_metric, quiet_datasets,
+                                        save_trained, token_lengths)
 from components.training.lora import LoraParams, lora_config, save_lora
 
 __all__ = ["ProgressCallback", "SFTParams", "TruncationError", "check_schedule", "load_for_training", "train_sft"]
@@ -40,7 +41,7 @@ __all__ = ["ProgressCallback", "SFTParams", "TruncationError", "check_schedule",
 @dataclass
 class SFTParams:
     max_steps: int = 300
-    batch_size: int = 64                # examples per forward pass; an optimizer step sees this x accumulation
+    batch_size: int = 64                # examples per forward pass (all processes'); a step sees this x accumulation
     learning_rate: float = 1e-3
     warmup_ratio: float = 0.05          # fraction of max_steps spent ramping the LR up linearly
     weight_decay: float = 0.0
@@ -82,6 +83,7 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
 
     if not examples:
         raise ValueError("train_sft: no examples")
+    check_fsdp(params.setting, **{"policy.lora": params.lora is not None})
     model, tok, use_cpu = load_policy_to_train(model_path, params)
     fmt = params.prompt_format
     # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
@@ -119,22 +121,25 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
         out = Path(out_dir)
         tok.padding_side = "left"  # saved for generation
         if params.lora:
-            save_lora(trainer.accelerator.unwrap_model(trainer.model), tok, out, params.lora, base=model_path)
+            save_trained(trainer, out, lambda: save_lora(trainer.accelerator.unwrap_model(trainer.model), tok, out,
+                                                         params.lora, base=model_path))
         else:
-            trainer.save_model(str(out))
-    keep_safetensors_only(out)
+            save_trained(trainer, out, lambda: trainer.save_model(str(out)), tok)
+    if trainer.accelerator.is_main_process:  # the only one that wrote
+        keep_safetensors_only(out)
     return {
         "train_loss": float(result.training_loss),
         "first_loss": losses[0] if losses else math.nan, "final_loss": losses[-1] if losses else math.nan,
         "steps": int(result.global_step), "tokens_seen": tokens_seen, "runtime_s": runtime,
-        "tokens_per_s": tokens_seen / max(runtime, 1e-9), **truncation,
+        "tokens_per_s": tokens_seen / max(runtime, 1e-9), **truncation, **processes_metric(trainer),
     }
 
 
 def _sft_config(SFTConfig, output_dir: str, params: SFTParams, use_cpu: bool, fp16: bool):
     return SFTConfig(
         output_dir=output_dir,  # scratch: with save_strategy="no" nothing lands there
-        max_steps=params.max_steps, per_device_train_batch_size=params.batch_size,
+        max_steps=params.max_steps,  # each of N processes (`accelerate launch`) takes 1/N of every batch
+        per_device_train_batch_size=process_batch(params.batch_size, f"{params.setting}.batch_size", params.setting),
         gradient_accumulation_steps=params.gradient_accumulation_steps,
         learning_rate=params.learning_rate, lr_scheduler_type=params.lr_scheduler,
         warmup_steps=params.warmup_ratio,  # transformers 5 dropped warmup_ratio: a float < 1 is a ratio
