@@ -30,7 +30,7 @@ from components.jobs.launch import StageJobError
 
 FLOW = "stage_job"
 ENTRYPOINT = "flows.stage_job.stage_job"  # a module path: the worker imports the installed project
-POLL_S = 1.0
+POLL_S = 0.5
 
 
 class PoolError(StageJobError):
@@ -48,8 +48,11 @@ def ensure_deployment(client, pool: str) -> UUID:
         raise PoolError(f"unknown work pool {pool!r} (execution.pool / COEVO_POOL): create it with "
                         f"`prefect work-pool create {pool} --type process`, or see infra/k8s-stage-job.yaml") from None
     flow_id = client.create_flow_from_name(FLOW)
+    # The flow run's process is the job's (flows/stage_job.py), so it gets a job's environment (`run_job`).
+    env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
     return client.create_deployment(flow_id=flow_id, name=pool, work_pool_name=pool, entrypoint=ENTRYPOINT,
                                     tags=["coevo"], enforce_parameter_schema=False, pull_steps=[],
+                                    job_variables={"env": env},
                                     description="One coevo stage job: python -m components.jobs <stage> --spec <spec>")
 
 

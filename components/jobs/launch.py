@@ -7,6 +7,7 @@ manifest in one transaction or mark the attempt `failed`.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import socket
 import subprocess
@@ -237,7 +238,9 @@ def execute(cfg: ExperimentConfig, spec: StageSpec, *, runner: JobRunner | None 
                                                    else ""))
     failed: list[tuple[StageSpec, StageJobError]] = []
     with ThreadPoolExecutor(max_workers=max(len(todo), 1), thread_name_prefix="shard") as pool:
-        futures = {pool.submit(run_one, s, 1 + cfg.stage_retries): s for s in todo}
+        # Each shard's thread runs in a copy of this context: Prefect's settings (its API URL) and run
+        # context reach the pool runner's client there as they do here.
+        futures = {pool.submit(contextvars.copy_context().run, run_one, s, 1 + cfg.stage_retries): s for s in todo}
         for f in as_completed(futures):
             try:
                 f.result()
