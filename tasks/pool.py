@@ -103,8 +103,9 @@ class PoolRunner:
                 transient = beat.get("transient", kind != StateType.FAILED)
                 raise StageJobError(f"{stage} job on worker {worker}: {msg}", beat.get("returncode"),
                                     transient=bool(transient), worker=worker, flow_run_id=str(run_id))
+            # Silent: its last beat is old, or it never beat though the run started (its process died first).
             quiet = time.time() - beat["time"] if beat else time.monotonic() - started
-            if beat.get("status") == "running" and quiet > self.heartbeat_timeout_s:
+            if beat.get("status", "running") == "running" and quiet > self.heartbeat_timeout_s:
                 client.set_flow_run_state(run_id, Crashed(message=f"no heartbeat for {quiet:.0f}s"), force=True)
                 raise StageJobError(f"{stage} job lost: worker {worker} sent no heartbeat for {quiet:.0f}s "
                                     f"(execution.heartbeat_timeout_s={self.heartbeat_timeout_s})", None,
