@@ -118,6 +118,8 @@ def accelerate_launch_args(stage: str, spec_path: Path) -> list[str]:
     if stage_def is None or not Path(spec_path).is_file():
         return []
     section = (json.loads(Path(spec_path).read_text()).get("config") or {}).get(stage_def.section) or {}
+    if not isinstance(section, dict):  # `import` reads `imports`, a list: no stage there trains
+        return []
     n, strategy = int(section.get("processes", 1)), section.get("strategy", "ddp")
     if n <= 1:
         return []
