@@ -390,6 +390,9 @@ class TrackingConfig(_Section):
         None, description="MLflow URI; null uses $MLFLOW_TRACKING_URI or sqlite:///<workdir>/mlflow.db."
     )
     experiment_name: str | None = Field(None, description="MLflow experiment; null uses the experiment name.")
+    artifact_location: str | None = Field(
+        None, exclude_if=lambda v: v is None, description="Artifact root of a new MLflow experiment (s3://…, a path); null: <execution.storage>/"
+                          "mlartifacts where storage is a URL, else <workdir>/mlartifacts.")
     register_models: bool = Field(
         True, description="Log each round's policy checkpoint to its round run and register it as a version of "
                           "`<experiment>-policy` (aliases `current` and `best`).",
@@ -416,7 +419,7 @@ class ImportConfig(_Section):
 
 # Where a stage job runs, not what it computes: left out of `config_hash`, so an experiment started on a laptop
 # resumes on a cluster (and back) as the same experiment.
-PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s")
+PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s", "storage")
 
 
 class ExecutionConfig(_Section):
@@ -436,6 +439,28 @@ class ExecutionConfig(_Section):
                                                          "to pick it up before the stage fails, naming the pool.")
     heartbeat_timeout_s: int = Field(60, ge=5, description="A pool job whose heartbeat file is older than this "
                                                            "is taken for lost (its worker died) and retried.")
+    storage: str | None = Field(None, description="Where stage outputs, specs and checkpoints lie, as an fsspec URL "
+                                                  "(s3://bucket/prefix) or a shared path that every worker mounts; "
+                                                  "null: the workdir. The DuckDB store and MLflow's SQLite stay in the "
+                                                  "workdir. Credentials come from the environment, never from here "
+                                                  "(components/storage.py). COEVO_STORAGE overrides it.")
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_url(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        if "://" in v:
+            scheme, rest = v.split("://", 1)
+            if "@" in rest.split("/", 1)[0]:
+                raise ValueError(f"{scheme}://<credentials>@…: credentials go in the environment "
+                                 "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY), never in a config, which the store "
+                                 "and MLflow record")
+            import fsspec
+
+            if scheme != "file" and scheme not in fsspec.available_protocols():
+                raise ValueError(f"{v!r}: fsspec knows no protocol {scheme!r}")
+        return v.rstrip("/")
 
     @field_validator("stage_pools")
     @classmethod
@@ -559,6 +584,15 @@ class ExperimentConfig(_Section):
     @property
     def experiment_dir(self) -> Path:
         return Path(self.workdir) / self.experiment
+
+    @property
+    def storage_dir(self) -> str:
+        """Where the experiment's attempt folders lie: `execution.storage` (or COEVO_STORAGE), else the workdir."""
+        import os
+
+        from components.storage import join
+
+        return join(os.environ.get("COEVO_STORAGE") or self.execution.storage or self.workdir, self.experiment)
 
     @property
     def store_path(self) -> Path:

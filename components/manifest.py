@@ -18,6 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components.storage import normjoin
+
 MANIFEST = "manifest.json"
 
 
@@ -69,7 +71,7 @@ class Manifest:
 def part_path(out_dir: str | Path, rel: str) -> str:
     """Where a manifest's part lies. A sharded stage's manifest lists its shards' parts, beside its folder
     (`../a1.shard0/part-….parquet`), so the path is normalised."""
-    return os.path.normpath(os.path.join(out_dir, rel))
+    return normjoin(out_dir, rel)
 
 
 class StageOutputWriter:

@@ -44,6 +44,19 @@ def tracking_uri(cfg: ExperimentConfig) -> str:
     return f"sqlite:///{Path(cfg.workdir).resolve() / 'mlflow.db'}"
 
 
+def artifact_location(cfg: ExperimentConfig) -> str:
+    """Where a new MLflow experiment keeps its artifacts: `tracking.artifact_location`, else beside the stage
+    outputs where those lie in shared storage (`<storage>/mlartifacts`), else `<workdir>/mlartifacts`."""
+    from components.storage import is_remote, join
+
+    if cfg.tracking.artifact_location:
+        return cfg.tracking.artifact_location
+    shared = os.environ.get("COEVO_STORAGE") or cfg.execution.storage
+    if shared and is_remote(shared):
+        return join(shared, "mlartifacts")
+    return (Path(cfg.workdir).resolve() / "mlartifacts").as_uri()
+
+
 class Tracker:
     """Thin wrapper over MlflowClient for one experiment; a disabled tracker does nothing."""
 
@@ -61,7 +74,7 @@ class Tracker:
         name = cfg.tracking.experiment_name or cfg.experiment
         exp = self.client.get_experiment_by_name(name)
         if exp is None:
-            artifacts = (Path(cfg.workdir).resolve() / "mlartifacts").as_uri()
+            artifacts = artifact_location(cfg)
             self.mlflow_experiment_id = self.client.create_experiment(name, artifact_location=artifacts,
                                                                       tags={TAG_KIND: KIND_TRAINING})
         else:

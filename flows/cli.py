@@ -65,6 +65,12 @@ def run(
             check_checkpoint(path, cfg.policy.model)
         except FileNotFoundError as e:
             fail(str(e), 2)
+    from components.storage import StorageError, check
+
+    try:  # shared storage that refuses the environment's credentials fails here, before any stage
+        check(cfg.storage_dir)
+    except StorageError as e:
+        fail(str(e), 2)
     _run_flow("self_evolution", progress_bars=True, config_path=str(config), overrides=overrides)
     _print_summary(Path(cfg.workdir), cfg.experiment)
 
@@ -114,13 +120,14 @@ def _looks_local(name: str) -> bool:
 
 def _run_flow(flow_name: str, /, *, progress_bars: bool = False, **params):
     from components.locking import ExperimentLockedError
+    from components.storage import StorageError
     from components.store import StoreError
     from flows import evolution
 
     try:  # the bars end before an error is printed
         with _progress_bars() if progress_bars else nullcontext():
             return getattr(evolution, flow_name)(**params)
-    except (ExperimentLockedError, StoreError, ValueError, FileNotFoundError) as e:
+    except (ExperimentLockedError, StoreError, StorageError, ValueError, FileNotFoundError) as e:
         fail(str(e), 2)
     except Exception as e:  # the flow already logged the traceback
         fail(f"{flow_name} failed: {type(e).__name__}: {e}", 1)

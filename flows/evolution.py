@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run as flow_run_ctx
 
+from components import storage
 from components.config import ExperimentConfig, load_config
 from components.curriculum import pick_levels
 from components.locking import ExperimentLock
@@ -106,7 +107,7 @@ def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, roun
                 "coevo.lineage": f"SELECT * FROM v_lineage WHERE trained_model_id = '{m['model_id']}'"}
         score_tag, score = scores.get(m["role"], ("heldout_greedy_acc", None))
         name = f"{cfg.experiment}-{m['role']}"
-        version = tracker.register_model(name, m["uri"], round, tags, score, score_tag=score_tag,
+        version = tracker.register_model(name, str(storage.fetch(m["uri"])), round, tags, score, score_tag=score_tag,
                                          artifact_path=m["role"])
         if version:
             get_run_logger().info(f"registered {name} version {version} ({m['model_id']})")

@@ -20,19 +20,16 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run as flow_run_ctx
 
+from components import storage
 from components.jobs.launch import EXIT_TRANSIENT, StageJobError, accelerate_launch_args, job_python, run_job
 from components.jobs.spec import StageSpec
+from tasks.pool import heartbeat_path
 
 HEARTBEAT_EVERY_S = 2.0
-
-
-def heartbeat_path(spec_path: str | Path) -> Path:
-    return Path(str(spec_path) + ".heartbeat")
 
 
 @flow(name="stage_job", log_prints=True)
@@ -45,9 +42,7 @@ def stage_job(stage: str, spec: str, timeout_s: float = 3600.0) -> str:
     done = threading.Event()
 
     def write(body: dict) -> None:
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(body | {"time": time.time()}))
-        os.replace(tmp, path)
+        storage.write_text(path, json.dumps(body | {"time": time.time()}))
 
     def pump() -> None:
         while not done.wait(HEARTBEAT_EVERY_S):
@@ -59,7 +54,7 @@ def stage_job(stage: str, spec: str, timeout_s: float = 3600.0) -> str:
     try:
         python = job_python(StageSpec.from_file(spec).cfg(), stage)
         in_process = os.environ.get("PYTHONHASHSEED") == "0"  # as `run_job` starts a job (set by the deployment)
-        if in_process and python == sys.executable and not accelerate_launch_args(stage, Path(spec)):
+        if in_process and python == sys.executable and not accelerate_launch_args(stage, spec):
             # This flow run is already a fresh process of its own: run the job in it, and spare a second
             # interpreter's start-up. The pool runner's heartbeat timeout covers a job that hangs or dies.
             from components.jobs.__main__ import main
@@ -68,7 +63,7 @@ def stage_job(stage: str, spec: str, timeout_s: float = 3600.0) -> str:
             if rc:
                 raise StageJobError(f"stage {stage} job exited with code {rc}", rc, transient=rc == EXIT_TRANSIENT)
         else:  # another environment (vLLM's), or N training processes under accelerate
-            run_job(stage, Path(spec), logger.info, timeout_s, python=python)
+            run_job(stage, spec, logger.info, timeout_s, python=python)
     except StageJobError as e:
         done.set()
         write(beat | {"status": "failed", "transient": e.transient, "returncode": e.returncode, "error": str(e)})

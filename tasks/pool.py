@@ -25,6 +25,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
 from prefect.states import Cancelled, Crashed
 
+from components import storage
 from components.config import ExperimentConfig
 from components.jobs.launch import StageJobError
 
@@ -64,21 +65,22 @@ class PoolRunner:
         self.worker_timeout_s = cfg.execution.worker_timeout_s
         self.heartbeat_timeout_s = cfg.execution.heartbeat_timeout_s
 
-    def __call__(self, stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+    def __call__(self, stage: str, spec_path: str, log: Callable[[str], None], timeout_s: float,
                  python: str | None) -> tuple[str, str | None]:
-        beat_path = Path(str(spec_path) + ".heartbeat")
-        beat_path.unlink(missing_ok=True)  # a retry's file must not read as the last try's
+        beat_path = heartbeat_path(spec_path)
+        storage.write_text(beat_path, "{}")  # a retry's file must not read as the last try's
         with get_client(sync_client=True) as client:
             deployment_id = ensure_deployment(client, self.pool)
             # <experiment>/r<round>/<stage>/a<attempt>[.shard<k>], as the folder it writes
-            name = "/".join([*spec_path.parts[-4:-1], spec_path.name.removesuffix(".spec.json")])
+            name = "/".join(spec_path.removesuffix(".spec.json").split("/")[-4:])
+            where = spec_path if storage.is_remote(spec_path) else str(Path(spec_path).resolve())
             run = client.create_flow_run_from_deployment(
-                deployment_id, parameters={"stage": stage, "spec": str(spec_path.resolve()), "timeout_s": timeout_s},
+                deployment_id, parameters={"stage": stage, "spec": where, "timeout_s": timeout_s},
                 name=name, tags=["coevo", f"stage:{stage}"])
             log(f"{stage}: flow run {run.name} ({run.id}) on work pool {self.pool}")
             return self._wait(client, run.id, beat_path, stage, timeout_s)
 
-    def _wait(self, client, run_id: UUID, beat_path: Path, stage: str, timeout_s: float) -> tuple[str, str | None]:
+    def _wait(self, client, run_id: UUID, beat_path: str, stage: str, timeout_s: float) -> tuple[str, str | None]:
         t0 = time.monotonic()
         started: float | None = None
         while True:
@@ -116,8 +118,12 @@ class PoolRunner:
                                     transient=True, worker=worker, flow_run_id=str(run_id))
 
 
-def _read(path: Path) -> dict:
+def heartbeat_path(spec_path: str) -> str:
+    return spec_path + ".heartbeat"
+
+
+def _read(path: str) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(storage.read_text(path))
     except (FileNotFoundError, json.JSONDecodeError):
         return {}

@@ -182,3 +182,68 @@ def assert_plans_read_what_they_declare(cfg, store, tmp_path: Path) -> None:
             read = {i.stage for i in spec.inputs}
             assert read <= set(STAGES[stage].reads), (r, stage, read)
             assert all(i.round <= r for i in spec.inputs), (r, stage)
+
+
+@dataclass
+class S3Endpoint:
+    """A real S3-compatible endpoint on 127.0.0.1 (moto's server) with one bucket, whose requests are signed and
+    checked against an IAM user's key (moto's INITIAL_NO_AUTH_ACTION_COUNT), so wrong credentials are refused."""
+
+    url: str
+    bucket: str
+    key: str
+    secret: str
+
+    def env(self, key: str | None = None, secret: str | None = None) -> dict[str, str]:
+        """What a process needs to use the bucket: credentials and endpoint, from the environment only.
+        No metadata service and no credentials file: a missing key must fail here, not reach out."""
+        return {"AWS_ENDPOINT_URL": self.url, "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                "AWS_ACCESS_KEY_ID": key or self.key, "AWS_SECRET_ACCESS_KEY": secret or self.secret}
+
+    def fs(self):
+        import s3fs
+
+        return s3fs.S3FileSystem(key=self.key, secret=self.secret, endpoint_url=self.url, skip_instance_cache=True,
+                                 use_listings_cache=False)
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory) -> Iterable[S3Endpoint]:
+    import json
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    # The first 4 requests (the IAM user, its key, its policy, the bucket) go unchecked; every later one is signed.
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            env=os.environ | {"INITIAL_NO_AUTH_ACTION_COUNT": "4"}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        for _ in range(150):
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError(f"moto's S3 server did not start on {url}: {log.read_text()[-2000:]}")
+        import boto3
+
+        kw = {"endpoint_url": url, "region_name": "us-east-1", "aws_access_key_id": "bootstrap",
+              "aws_secret_access_key": "bootstrap"}
+        iam = boto3.client("iam", **kw)
+        iam.create_user(UserName="coevo")
+        key = iam.create_access_key(UserName="coevo")["AccessKey"]
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="coevo", PolicyName="all", PolicyDocument=json.dumps(policy))
+        boto3.client("s3", **kw).create_bucket(Bucket="coevo")
+        yield S3Endpoint(url, "coevo", key["AccessKeyId"], key["SecretAccessKey"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

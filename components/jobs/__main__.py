@@ -22,10 +22,12 @@ import time
 import traceback
 from pathlib import Path
 
+from components import storage
 from components.jobs.launch import EXIT_TRANSIENT
 from components.jobs.spec import SpecError, StageSpec
 from components.manifest import Manifest, ManifestError, StageOutputWriter
 from components.models.backends import BackendError
+from components.storage import StorageError
 from components.seeding import seed_everything
 
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.stage != args.stage:
             raise SpecError(f"{args.spec}: spec is for stage {spec.stage!r}, not {args.stage!r}")
         spec.cfg()  # validate before any work
-    except (SpecError, ValueError) as e:
+    except (SpecError, ValueError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Single-threaded intra-op keeps CPU results bit-identical across runs and machines' load.
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         # Never `out_dir` nor its `.tmp` but in the first process: the others' writes go to their scratch.
-        out = StageOutputWriter(Path(spec.out_dir) if scratch is None else scratch / "out")
+        out = StageOutputWriter(storage.writable_mirror(spec.out_dir) if scratch is None else scratch / "out")
         metrics = STAGES[spec.stage].run(spec, out)
         total = time.perf_counter() - t0
         if scratch is not None:
@@ -94,9 +96,13 @@ def main(argv: list[str] | None = None) -> int:
             metrics={k: float(v) for k, v in metrics.items()}, timings={"total_s": round(total, 3), **startup},
         )
         path = out.finish(manifest)
+        storage.push(path.parent, spec.out_dir)  # shared storage: the parts, then the manifest
     except (SpecError, ManifestError, FileNotFoundError) as e:
         print(f"error: {spec.stage_run_id}: {e}", file=sys.stderr)
         return 2
+    except StorageError as e:  # refused credentials fail the stage; unreachable storage is retried
+        print(f"error: {spec.stage_run_id}: {e}", file=sys.stderr)
+        return EXIT_TRANSIENT if e.transient else 2
     except BackendError as e:  # the engine or server, named; a transient fault is retried (EXIT_TRANSIENT)
         print(f"error: {spec.stage_run_id}: {e}", file=sys.stderr)
         return EXIT_TRANSIENT if e.transient else 1
@@ -107,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    print(f"[{spec.stage}] wrote {path} in {total:.1f}s", flush=True)
+    print(f"[{spec.stage}] wrote {storage.join(spec.out_dir, path.name)} in {total:.1f}s", flush=True)
     return 0
 
 

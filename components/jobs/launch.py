@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from components import progress
+from components import progress, storage
 from components.config import ExperimentConfig
 from components.jobs.shards import merge_shards, published, shard_specs
 from components.jobs.spec import StageSpec
@@ -94,7 +94,7 @@ def pool_of(cfg: ExperimentConfig, stage: str) -> str | None:
     return None if pool in (None, "", "local") else pool
 
 
-def job_command(stage: str, spec_path: Path, python: str | None = None) -> list[str]:
+def job_command(stage: str, spec_path: str | Path, python: str | None = None) -> list[str]:
     """`python -m components.jobs <stage> --spec …` (see `job_python`). The job imports this checkout
     (PYTHONPATH), so another environment needs only the packages, not an install of the project. A training
     stage whose section sets `processes` > 1 runs under `accelerate launch` (`accelerate_launch_args`)."""
@@ -102,7 +102,7 @@ def job_command(stage: str, spec_path: Path, python: str | None = None) -> list[
             "-m", "components.jobs", stage, "--spec", str(spec_path)]
 
 
-def accelerate_launch_args(stage: str, spec_path: Path) -> list[str]:
+def accelerate_launch_args(stage: str, spec_path: str | Path) -> list[str]:
     """`-m accelerate.commands.launch --num_processes N …` where the spec's config sets the stage's section's
     `processes` (train_policy, train_reward) above 1; [] otherwise, and where the spec is not written yet.
 
@@ -115,9 +115,9 @@ def accelerate_launch_args(stage: str, spec_path: Path) -> list[str]:
     import json
 
     stage_def = STAGES.get(stage)
-    if stage_def is None or not Path(spec_path).is_file():
+    if stage_def is None or not storage.exists(spec_path):
         return []
-    section = (json.loads(Path(spec_path).read_text()).get("config") or {}).get(stage_def.section) or {}
+    section = (json.loads(storage.read_text(spec_path)).get("config") or {}).get(stage_def.section) or {}
     if not isinstance(section, dict):  # `import` reads `imports`, a list: no stage there trains
         return []
     n, strategy = int(section.get("processes", 1)), section.get("strategy", "ddp")
@@ -140,7 +140,7 @@ def accelerate_launch_args(stage: str, spec_path: Path) -> list[str]:
             "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no"]
 
 
-def run_job(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+def run_job(stage: str, spec_path: str | Path, log: Callable[[str], None], timeout_s: float,
             on_start: Callable[[int], None] | None = None, python: str | None = None) -> None:
     env = os.environ | {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
                         "COEVO_JOB_LAUNCHED_AT": repr(time.time())}
@@ -183,11 +183,11 @@ class JobRunner(Protocol):
     """Runs the job of `spec_path` to its end, or raises StageJobError; returns (worker, flow run id): where it
     ran. `local_runner` runs it as a subprocess here; `tasks.pool.PoolRunner` as a flow run on a work pool."""
 
-    def __call__(self, stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+    def __call__(self, stage: str, spec_path: str, log: Callable[[str], None], timeout_s: float,
                  python: str | None) -> tuple[str, str | None]: ...
 
 
-def local_runner(stage: str, spec_path: Path, log: Callable[[str], None], timeout_s: float,
+def local_runner(stage: str, spec_path: str, log: Callable[[str], None], timeout_s: float,
                  python: str | None) -> tuple[str, str | None]:
     run_job(stage, spec_path, log, timeout_s, python=python)
     return f"local:{socket.gethostname()}", None
@@ -211,10 +211,8 @@ def execute(cfg: ExperimentConfig, spec: StageSpec, *, runner: JobRunner | None 
     shards = cfg.execution.shards if stage.merge is not None else 1
 
     def run_one(s: StageSpec, tries: int) -> None:
-        out_dir = Path(s.out_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        spec_path = out_dir.with_name(out_dir.name + ".spec.json")
-        spec_path.write_text(s.to_json())
+        spec_path = s.out_dir + ".spec.json"  # beside the attempt, in storage: a worker elsewhere reads it
+        storage.write_text(spec_path, s.to_json())
         say = log if s.shards == 1 else (lambda line: log(f"[shard{s.shard}] {line}"))
         for t in range(1, tries + 1):
             t0 = time.perf_counter()
@@ -233,7 +231,7 @@ def execute(cfg: ExperimentConfig, spec: StageSpec, *, runner: JobRunner | None 
 
     if shards == 1:
         run_one(spec, 1)  # its retries are new attempts (the Prefect task's)
-        return Path(spec.out_dir) / MANIFEST
+        return storage.fetch(spec.out_dir) / MANIFEST
     parts = shard_specs(spec, stage, cfg.seed, shards)
     todo = [s for s in parts if published(s) is None]
     log(f"{spec.stage_run_id}: {shards} shards" + (f", {shards - len(todo)} already published" if len(todo) < shards
@@ -262,8 +260,9 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
     attempt = store.next_attempt(cfg.experiment, round, stage)
     ref = StageRunRef(cfg.experiment, round, stage, attempt)
     spec = build_spec(cfg, store, round, stage, attempt, code_version)
-    out_dir = Path(spec.out_dir)
-    store.start_stage_run(ref, str(out_dir), spec.to_json(), spec.config_hash, spec.seed, task_run_id)
+    out_dir = spec.out_dir
+    storage.check(cfg.storage_dir)  # refused or missing credentials fail here, before the attempt is recorded
+    store.start_stage_run(ref, out_dir, spec.to_json(), spec.config_hash, spec.seed, task_run_id)
     t0 = time.perf_counter()
     log(f"{ref.stage_run_id}: starting job (seed {spec.seed})")
 
@@ -293,7 +292,7 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
         progress.stage_finished(ref.stage_run_id, ok)
     dt = time.perf_counter() - t0
     log(f"{ref.stage_run_id}: committed in {dt:.1f}s " + ", ".join(f"{o['table']}={o['rows']}" for o in manifest.outputs))
-    return StageResult(ref.stage_run_id, round, stage, attempt, str(out_dir), dict(manifest.metrics), dt,
+    return StageResult(ref.stage_run_id, round, stage, attempt, out_dir, dict(manifest.metrics), dt,
                        {o["table"]: o["rows"] for o in manifest.outputs})
 
 
@@ -336,7 +335,7 @@ def reproduce_stage(cfg: ExperimentConfig, store: Store, round: int, stage: str,
             shutil.rmtree(old)
     spec = build_spec(cfg, store, round, stage, committed["attempt"], code_version, out_dir=scratch)
     execute(cfg, spec, log=log)
-    a, b = content_hashes(Path(committed["out_dir"])), content_hashes(scratch)
+    a, b = content_hashes(storage.fetch(committed["out_dir"])), content_hashes(storage.local(scratch))
     return {k: (a.get(k, ""), b.get(k, "")) for k in sorted(set(a) | set(b))}
 
 

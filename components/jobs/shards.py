@@ -21,6 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components import storage
 from components.jobs.spec import StageSpec
 from components.manifest import MANIFEST, Manifest, ManifestError, StageOutputWriter, part_path, verify_manifest
 from components.seeding import derive_seed
@@ -28,23 +29,22 @@ from components.stages.base import Stage
 from components.tables import to_table
 
 
-def shard_dir(out_dir: str | Path, shard: int) -> Path:
-    out_dir = Path(out_dir)
-    return out_dir.with_name(f"{out_dir.name}.shard{shard}")
+def shard_dir(out_dir: str, shard: int) -> str:
+    return f"{str(out_dir).rstrip('/')}.shard{shard}"
 
 
 def shard_specs(spec: StageSpec, stage: Stage, experiment_seed: int, shards: int) -> list[StageSpec]:
     """The stage's spec once per shard: its share (`StageSpec.share`), its seed and its own folder."""
-    return [dataclasses.replace(spec, shard=k, shards=shards, out_dir=str(shard_dir(spec.out_dir, k)),
+    return [dataclasses.replace(spec, shard=k, shards=shards, out_dir=shard_dir(spec.out_dir, k),
                                 seed=derive_seed(experiment_seed, spec.round, stage.seed_name or stage.name, k))
             for k in range(shards)]
 
 
 def published(spec: StageSpec) -> Manifest | None:
-    """The shard's verified manifest where it published, else None."""
-    path = Path(spec.out_dir) / MANIFEST
-    if not path.is_file():
+    """The shard's verified manifest where it published (in storage: fetched here), else None."""
+    if not storage.exists(storage.join(spec.out_dir, MANIFEST)):
         return None
+    path = storage.fetch(spec.out_dir) / MANIFEST
     m = verify_manifest(path)
     if (m.stage_run_id, m.inputs.get("shard")) != (spec.stage_run_id, spec.shard):
         raise ManifestError(f"{path}: manifest is for {m.stage_run_id} shard {m.inputs.get('shard')}, "
@@ -62,17 +62,19 @@ def merge_shards(spec: StageSpec, stage: Stage, shards: list[StageSpec]) -> Path
     for s in shards:
         m = published(s)
         if m is None:
-            raise ManifestError(f"{spec.stage_run_id}: shard {s.shard} has no manifest at {Path(s.out_dir) / MANIFEST}")
+            raise ManifestError(f"{spec.stage_run_id}: shard {s.shard} has no manifest at "
+                                f"{storage.join(s.out_dir, MANIFEST)}")
         if m.artifacts:
-            raise ManifestError(f"{Path(s.out_dir) / MANIFEST}: a shard publishes tables only, not artifacts")
+            raise ManifestError(f"{storage.join(s.out_dir, MANIFEST)}: a shard publishes tables only, not artifacts")
         manifests.append(m)
-    out = StageOutputWriter(Path(spec.out_dir))
+    # Written in the mirror, where the shards' parts lie beside it as they do in storage, then pushed.
+    out = StageOutputWriter(storage.writable_mirror(spec.out_dir))
     for s, m in zip(shards, manifests):
         for o in m.outputs:
-            out.add_part(o["table"], Path(part_path(s.out_dir, o["path"])), o["rows"], o["sha256"])
+            out.add_part(o["table"], Path(part_path(storage.local(s.out_dir), o["path"])), o["rows"], o["sha256"])
 
     def read(table: str) -> list[dict[str, Any]]:
-        parts = [pq.read_table(part_path(s.out_dir, o["path"])) for s, m in zip(shards, manifests)
+        parts = [pq.read_table(part_path(storage.local(s.out_dir), o["path"])) for s, m in zip(shards, manifests)
                  for o in m.outputs if o["table"] == table]
         return pa.concat_tables(parts).to_pylist() if parts else []
 
@@ -89,4 +91,6 @@ def merge_shards(spec: StageSpec, stage: Stage, shards: list[StageSpec]) -> Path
         timings={"total_s": round(max(shard_s) + time.perf_counter() - t0, 3),
                  **{f"shard{s.shard}_s": t for s, t in zip(shards, shard_s)}},
     )
-    return out.finish(manifest)
+    path = out.finish(manifest)
+    storage.push(path.parent, spec.out_dir)
+    return path

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from components import storage
 from components.config import ExperimentConfig, load_config_dict
 from components.manifest import MANIFEST, part_path, read_manifest, sha256_file
 
@@ -81,11 +82,13 @@ class StageSpec:
 
     @classmethod
     def from_file(cls, path: str | Path) -> StageSpec:
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"spec file not found: {path}")
+        """Read a spec from a path or a storage URL (`components.storage`)."""
         try:
-            body = json.loads(path.read_text())
+            text = storage.read_text(path)
+        except (FileNotFoundError, IsADirectoryError):
+            raise SpecError(f"spec file not found: {path}") from None
+        try:
+            body = json.loads(text)
             body["inputs"] = [InputRef(**i) for i in body.get("inputs", [])]
             return cls(**body)
         except (json.JSONDecodeError, TypeError, KeyError) as e:
@@ -94,9 +97,14 @@ class StageSpec:
     def inputs_as(self, cls: type[T]) -> T:
         """The stage's typed inputs record (`params` holds it as JSON)."""
         try:
-            return cls(**self.params)
+            inputs = cls(**self.params)
         except TypeError as e:
             raise SpecError(f"{self.stage_run_id}: spec params do not match {cls.__name__}: {e}") from None
+        # Models in shared storage (`*_uri`), fetched to this machine: the job's libraries load local folders.
+        for name, value in vars(inputs).items():
+            if name.endswith("_uri") and isinstance(value, str) and storage.is_remote(value):
+                setattr(inputs, name, str(storage.fetch(value)))
+        return inputs
 
     def has(self, stage: str, round: int | None = None) -> bool:
         """Whether the job may read `stage`'s committed output of `round` (this round unless given)."""
@@ -124,16 +132,26 @@ def _checked_parts(ref: InputRef, table: str) -> list[str]:
     Parquet parts carry no checksum a reader checks, so a flipped byte can decode into wrong rows
     silently; a corrupted or swapped part must fail the job, naming the file.
     """
-    m = read_manifest(Path(ref.dir) / MANIFEST)
+    manifest = storage.join(ref.dir, MANIFEST)
+    try:
+        m = read_manifest(storage.fetch(manifest))
+    except FileNotFoundError:
+        raise SpecError(f"{manifest} of committed {ref.stage_run_id} is missing") from None
     if m.sha256 != ref.manifest_sha256:
-        raise SpecError(f"{Path(ref.dir) / MANIFEST} changed after {ref.stage_run_id} was committed "
+        raise SpecError(f"{manifest} changed after {ref.stage_run_id} was committed "
                         f"(sha256 {m.sha256[:12]}… vs {ref.manifest_sha256[:12]}…)")
     listed = {part_path(ref.dir, o["path"]): o["sha256"] for o in m.outputs}
+    paths = []
     for p in ref.tables.get(table, []):
-        if not Path(p).is_file():
+        try:
+            local = storage.fetch(p)
+        except FileNotFoundError:
+            local = None
+        if local is None or not local.is_file():
             raise SpecError(f"committed input {p} of {ref.stage_run_id} is missing")
-        digest = sha256_file(Path(p))
+        digest = sha256_file(local)
         if digest != listed.get(p):
             raise SpecError(f"committed input {p} of {ref.stage_run_id} is corrupted: its sha256 {digest[:12]}… "
                             f"does not match the manifest's {str(listed.get(p))[:12]}…")
-    return ref.tables.get(table, [])
+        paths.append(str(local))
+    return paths

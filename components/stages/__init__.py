@@ -21,6 +21,7 @@ from components.config import ExperimentConfig
 from components.jobs.spec import StageSpec
 from components.seeding import derive_seed
 from components.stages.base import Planner, PlanningError, Stage
+from components.storage import join
 from components.store import Store
 
 
@@ -43,7 +44,7 @@ def get_stage(name: str) -> Stage:
 
 
 def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, attempt: int,
-               code_version: str | None, out_dir: Path | None = None) -> StageSpec:
+               code_version: str | None, out_dir: str | Path | None = None) -> StageSpec:
     """The job spec of one attempt: the stage's typed inputs and every committed output it may read,
     resolved against the store now (jobs never open it)."""
     from components.recipes import get_recipe
@@ -53,7 +54,7 @@ def build_spec(cfg: ExperimentConfig, store: Store, round: int, stage: str, atte
     inputs = st.plan(planner)
     return StageSpec(
         experiment=cfg.experiment, round=round, stage=stage, attempt=attempt,
-        out_dir=str(out_dir or cfg.experiment_dir / f"r{round}" / stage / f"a{attempt}"),
+        out_dir=str(out_dir or join(cfg.storage_dir, f"r{round}", stage, f"a{attempt}")),
         seed=derive_seed(cfg.seed, round, st.seed_name or stage), config=cfg.to_dict(), config_hash=cfg.config_hash(),
         code_version=code_version, inputs=planner.refs, params=asdict(inputs),
     )

@@ -19,7 +19,8 @@ from typing import Any
 
 from components.config import ExperimentConfig
 from components.jobs.spec import InputRef, StageSpec
-from components.manifest import StageOutputWriter, part_path, read_manifest, sha256_dir
+from components import storage
+from components.manifest import MANIFEST, StageOutputWriter, part_path, read_manifest, sha256_dir
 from components.store import Store
 from components.tables import to_table
 
@@ -83,8 +84,8 @@ def input_ref(store: Store, experiment: str, round: int, stage: str) -> InputRef
     run = store.committed_run(experiment, round, stage)
     if run is None:
         raise PlanningError(f"{experiment} round {round}: stage {stage!r} has no committed attempt")
-    out_dir = Path(run["out_dir"])
-    m = read_manifest(out_dir / "manifest.json")
+    out_dir = run["out_dir"]
+    m = read_manifest(storage.fetch(storage.join(out_dir, MANIFEST)))
     if m.sha256 != run["manifest_sha256"]:
         raise PlanningError(
             f"{out_dir}/manifest.json changed after it was committed (sha256 {m.sha256[:12]}… vs "
@@ -93,7 +94,7 @@ def input_ref(store: Store, experiment: str, round: int, stage: str) -> InputRef
     tables: dict[str, list[str]] = {}
     for o in m.outputs:
         tables.setdefault(o["table"], []).append(part_path(out_dir, o["path"]))
-    return InputRef(round=round, stage=stage, stage_run_id=run["stage_run_id"], dir=str(out_dir),
+    return InputRef(round=round, stage=stage, stage_run_id=run["stage_run_id"], dir=out_dir,
                     manifest_sha256=run["manifest_sha256"], tables=tables)
 
 
@@ -224,7 +225,7 @@ def model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str | None,
               train_examples: int, uri: str | None = None) -> dict[str, Any]:
     """A `models` row for the checkpoint in `model_dir`: at the attempt's `artifact` folder, or at `uri`."""
     return {"model_id": model_id(spec, role), "experiment_id": spec.experiment, "role": role, "round": spec.round,
-            "uri": uri or str(Path(spec.out_dir) / str(artifact)), "sha256": sha256_dir(model_dir),
+            "uri": uri or storage.join(spec.out_dir, str(artifact)), "sha256": sha256_dir(model_dir),
             "parent_model_id": parent, "train_examples": train_examples, "mlflow_run_id": None,
             "registered_name": None, "registered_version": None}
 

@@ -4,10 +4,13 @@ A Prefect server on 127.0.0.1 (the session's `prefect_server`), a `process` work
 `prefect worker start --limit 1` processes. A small micro experiment (1 round, `execution.shards=2`)
 runs twice:
 
-- `local`: as local subprocesses, the default placement;
-- `killed`: through the pool. While a `generate` shard runs, its worker is SIGKILLed with every process
-  under it (the flow run and the job: a node that dies). Its heartbeat stops, the orchestrator marks
-  the flow run Crashed and retries that shard alone on the worker that is left.
+- `local`: as local subprocesses, the default placement, in the local workdir;
+- `killed`: through the pool, with every spec, part, manifest, heartbeat and checkpoint in an S3 bucket
+  (moto's server on 127.0.0.1, `s3_endpoint`). Each worker and the flow have a cache of their own, as
+  on three machines, so whatever one reads of another's it fetched from the bucket. While a `generate`
+  shard runs, its worker is SIGKILLed with every process under it (the flow run and the job: a node
+  that dies). Its heartbeat stops, the orchestrator marks the flow run Crashed and retries that shard
+  alone on the worker that is left.
 
 Both must give the same store content, table by table: for a fixed number of shards, neither where
 the jobs ran nor the kill changes what the experiment holds.
@@ -47,15 +50,15 @@ def _api_url() -> str:
     return PREFECT_API_URL.value()
 
 
-def _worker_env() -> dict[str, str]:
-    return os.environ | TELEMETRY_OFF | {
+def _worker_env(s3_env: dict[str, str], cache: Path) -> dict[str, str]:
+    return os.environ | TELEMETRY_OFF | s3_env | {
         "PREFECT_API_URL": _api_url(), "PYTHONPATH": str(REPO), "COEVO_TORCH_THREADS": "1",
         "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "0",
-        "PREFECT_LOGGING_LEVEL": "INFO"}
+        "PREFECT_LOGGING_LEVEL": "INFO", "COEVO_CACHE_DIR": str(cache)}
 
 
 @pytest.fixture(scope="module")
-def workers(prefect_server, tmp_path_factory):
+def workers(prefect_server, s3_endpoint, tmp_path_factory):
     """The pool and its two workers, each running one flow run at a time; stopped at the end."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
@@ -67,7 +70,8 @@ def workers(prefect_server, tmp_path_factory):
     for name in WORKERS:
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process", "--limit", "1",
-             "--name", name], env=_worker_env(), cwd=REPO, stdout=open(logs / f"{name}.log", "w"),
+             "--name", name], env=_worker_env(s3_endpoint.env(), logs / f"{name}-cache"), cwd=REPO,
+            stdout=open(logs / f"{name}.log", "w"),
             stderr=subprocess.STDOUT, start_new_session=True)
     _wait_online(set(WORKERS))
     yield procs, logs
@@ -110,29 +114,43 @@ def _run(workdir: Path, *overrides: str) -> None:
                    overrides=[f"workdir={workdir}", "experiment=pool", *SMALL, *overrides])
 
 
+STORAGE = "pool-run"  # the killed run's prefix in the bucket
+
+
 @pytest.fixture(scope="module")
-def runs(workers, tmp_path_factory):
+def runs(workers, s3_endpoint, tmp_path_factory):
+    from components import storage
+
     procs, logs = workers
     local = tmp_path_factory.mktemp("local")
     _run(local)
     killed = tmp_path_factory.mktemp("killed")
     victim: dict = {}
+    fs = s3_endpoint.fs()
 
     def kill_a_generate_shard() -> None:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 600 and not victim:
-            for beat in (killed / "pool" / "r1" / "generate").glob("a*.shard*.spec.json.heartbeat"):
-                body = json.loads(beat.read_text() or "{}")
+            for beat in fs.glob(f"{s3_endpoint.bucket}/{STORAGE}/pool/r1/generate/a*.shard*.spec.json.heartbeat"):
+                body = json.loads(fs.cat_file(beat) or b"{}")
                 if body.get("status") == "running" and time.time() - body["time"] < 3:
                     time.sleep(2)  # mid-shard: the job has started sampling
-                    victim.update(worker=body["worker"], shard=beat.name.split(".")[1],
+                    victim.update(worker=body["worker"], shard=beat.rsplit("/", 1)[-1].split(".")[1],
                                   pids=_kill_tree(procs[body["worker"]].pid))
                     return
             time.sleep(0.2)
 
     killer = threading.Thread(target=kill_a_generate_shard, daemon=True)
     killer.start()
-    _run(killed, f"execution.pool={POOL}")
+    with pytest.MonkeyPatch.context() as mp:  # the flow's credentials and cache: this process is the orchestrator
+        for k, v in s3_endpoint.env().items():
+            mp.setenv(k, v)
+        mp.setenv("COEVO_CACHE_DIR", str(logs / "flow-cache"))
+        storage._fs.cache_clear()
+        try:
+            _run(killed, f"execution.pool={POOL}", f"execution.storage=s3://{s3_endpoint.bucket}/{STORAGE}")
+        finally:
+            storage._fs.cache_clear()
     killer.join(timeout=5)
     return local, killed, victim, logs
 
@@ -170,6 +188,21 @@ def test_a_killed_worker_s_shard_is_retried_alone(runs):
     assert mine[0]["worker"] == victim["worker"] and "heartbeat" in mine[0]["error"], mine[0]
     assert mine[1]["worker"] != victim["worker"], f"the retry ran on the dead worker: {mine[1]}"
     assert [(j["try"], j["status"]) for j in other] == [(1, "published")], f"the other shard was rerun: {other}"
+
+
+def test_the_pool_run_s_outputs_lie_in_the_bucket_and_no_credential_in_the_store(runs, s3_endpoint):
+    _, killed, _, logs = runs
+    store = Store(killed / "coevo.duckdb")
+    prefix = f"s3://{s3_endpoint.bucket}/{STORAGE}/pool/"
+    assert all(r["out_dir"].startswith(prefix) for r in store.stage_runs("pool")), store.stage_runs("pool")
+    assert store.committed_model("pool", 1)["uri"] == prefix + "r1/train_policy/a1/model"
+    keys = s3_endpoint.fs().find(f"{s3_endpoint.bucket}/{STORAGE}/pool/r1/generate")
+    assert any(k.endswith("a1.shard0/manifest.json") for k in keys) and any(k.endswith("a1/manifest.json") for k in keys)
+    local_rounds = sorted(p.name for p in (killed / "pool").glob("r*"))
+    assert local_rounds == [], f"stage outputs were written to the orchestrator's workdir: {local_rounds}"
+    for name in (*WORKERS, "flow"):  # three machines' caches, each filled from the bucket
+        assert any((logs / f"{name}-cache").rglob("manifest.json")), f"{name} never fetched nor wrote a manifest"
+    assert s3_endpoint.secret not in (killed / "coevo.duckdb").read_bytes().decode("latin-1")
 
 
 def test_the_killed_pool_run_has_the_local_run_s_content(runs):

@@ -109,7 +109,7 @@ def test_a_shard_whose_manifest_is_missing_fails_the_stage_naming_it(tmp_path):
     ran = []
 
     def elsewhere(stage, spec_path, log, timeout_s, python):
-        ran.append(spec_path.name)
+        ran.append(spec_path.rsplit("/", 1)[-1])
         return "worker-with-its-own-disk", None
 
     with pytest.raises(ManifestError, match=r"micro/r1/verify/a1: shard 0 has no manifest at .*a1.shard0/manifest.json"):
