@@ -22,6 +22,7 @@ from typing import Protocol
 
 from components import progress, storage
 from components.config import ExperimentConfig
+from components.jobs import warm
 from components.jobs.shards import merge_shards, published, shard_specs
 from components.jobs.spec import StageSpec
 from components.manifest import MANIFEST, ManifestError
@@ -148,8 +149,11 @@ def run_job(stage: str, spec_path: str | Path, log: Callable[[str], None], timeo
     command = job_command(stage, spec_path, python)
     if command[0] != sys.executable:
         log(f"{stage}: job runs under {command[0]}")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, bufsize=1, env=env, cwd=REPO_ROOT)
+    if warm.enabled() and command[0] == sys.executable and command[1:3] == ["-m", "components.jobs"]:
+        proc: subprocess.Popen | warm.WarmJob = warm.WarmJob(command[3:], env, REPO_ROOT)  # forked, imports done
+    else:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, bufsize=1, env=env, cwd=REPO_ROOT)
     if on_start:
         on_start(proc.pid)
     tail: list[str] = []

@@ -130,18 +130,19 @@ def kill_tree(pid: int) -> list[int]:
 
 
 def find_job(spec_path: Path, timeout_s: float = 60.0) -> int | None:
-    """The pid of `python -m components.jobs <stage> --spec <spec_path>`."""
-    want = str(spec_path)
+    """The pid of `python -m components.jobs <stage> --spec <spec_path>`: a new interpreter, or a job forked
+    from the warm server (`components/jobs/warm.py`), whose process title is that command as one string."""
+    want = f" --spec {spec_path}".encode()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
             try:
-                args = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").rstrip()
             except OSError:
                 continue
-            if b"components.jobs" in args and want.encode() in args:
+            if b" -m components.jobs " in cmdline and cmdline.endswith(want):
                 return int(d)
         time.sleep(0.01)
     return None
