@@ -141,6 +141,10 @@ def test_rendered_job_runs_the_flow_run_on_its_gpus():
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert claims.get("workdir") == "exp-pvc" and mounts.get("workdir") == env.get("COEVO_WORKDIR") == "/workdir", \
         f"expected claim exp-pvc mounted at COEVO_WORKDIR=/workdir, found claims {claims}, mounts {mounts}, env {env}"
+    secrets = [(f["secretRef"]["name"], f["secretRef"].get("optional")) for f in c.get("envFrom", [])]
+    assert secrets == [("coevo-s3", True)] and env.get("AWS_ENDPOINT_URL"), \
+        f"expected the bucket's credentials from the optional Secret coevo-s3 and an S3 endpoint in the env " \
+        f"(execution.storage), found envFrom {secrets}, AWS_ENDPOINT_URL {env.get('AWS_ENDPOINT_URL')}"
     meta = manifest["metadata"]
     assert meta["namespace"] == "coevo" and meta["generateName"] == "generate-exp-a1-", \
         f"expected namespace coevo and generateName after the flow run (generate-exp-a1-), found {meta}"
