@@ -110,7 +110,7 @@ def _attempt(monkeypatch, tmp_path, store, job_lines, job_error=None):
     logged: list[str] = []
     rec = Recorder()
     cfg = SimpleNamespace(experiment="e", stage_timeout_s=60, generate=SimpleNamespace(backend="hf"),
-                          execution=SimpleNamespace(shards=1))
+                          execution=SimpleNamespace(shards=1), storage_dir=str(tmp_path))
     with installed(rec):
         try:
             run_stage_attempt(cfg, store, 1, "train_policy", code_version=None, log=logged.append)
