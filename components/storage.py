@@ -154,8 +154,7 @@ def fetch(uri: str | Path) -> Path:
     tmp = dest.with_name(f"{dest.name}.fetch-{uuid.uuid4().hex[:8]}")
     try:
         if _calling(str(uri), "reading", fs.isdir, path):
-            files = [f for f in _calling(str(uri), "listing", fs.find, path)]
-            for f in files:
+            for f in _calling(str(uri), "listing", fs.find, path):
                 target = tmp / posixpath.relpath(f, path)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 _calling(str(uri), "reading", fs.get_file, f, str(target))

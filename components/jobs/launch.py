@@ -149,9 +149,13 @@ def run_job(stage: str, spec_path: str | Path, log: Callable[[str], None], timeo
     command = job_command(stage, spec_path, python)
     if command[0] != sys.executable:
         log(f"{stage}: job runs under {command[0]}")
+    proc: subprocess.Popen | warm.WarmJob | None = None
     if warm.enabled() and command[0] == sys.executable and command[1:3] == ["-m", "components.jobs"]:
-        proc: subprocess.Popen | warm.WarmJob = warm.WarmJob(command[3:], env, REPO_ROOT)  # forked, imports done
-    else:
+        try:
+            proc = warm.WarmJob(command[3:], env, REPO_ROOT)  # forked from the warm server: imports done
+        except warm.WarmStartError as e:
+            log(f"{stage}: warm start failed ({e}); starting a new interpreter")
+    if proc is None:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1, env=env, cwd=REPO_ROOT)
     if on_start:

@@ -47,6 +47,10 @@ PER_JOB = ("COEVO_JOB_LAUNCHED_AT", "PYTEST_CURRENT_TEST")
 MAX_MESSAGE = 1 << 20
 
 _lock = threading.Lock()
+
+
+class WarmStartError(RuntimeError):
+    """The server could not be started or reached; no job was forked, so a new interpreter may run it."""
 _server: _Server | None = None
 
 
@@ -60,12 +64,15 @@ class _Server:
         self.dir = tempfile.mkdtemp(prefix="coevo-warm-")
         self.path = os.path.join(self.dir, "jobs.sock")
         # stdin is ours: its end (this process ending) ends the server; its stdout says when it is ready.
-        self.proc = subprocess.Popen([sys.executable, "-m", "components.jobs.warm", self.path], env=env, cwd=cwd,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "components.jobs.warm", self.path], env=env, cwd=cwd,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None)
+        except OSError as e:
+            raise WarmStartError(f"cannot start the warm job server: {e}") from None
         ready = self.proc.stdout.readline() if self.proc.stdout else b""
         if ready.strip() != b"ready":
             self.proc.kill()
-            raise RuntimeError(f"the warm job server did not start (exit {self.proc.wait()}); COEVO_WARM_JOBS=0 "
+            raise WarmStartError(f"the warm job server did not start (exit {self.proc.wait()}); COEVO_WARM_JOBS=0 "
                                "starts every job as a new interpreter")
 
     def fits(self, env: dict[str, str]) -> bool:
@@ -76,6 +83,9 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
         Path(self.path).unlink(missing_ok=True)
         os.rmdir(self.dir)
 
@@ -104,7 +114,10 @@ class WarmJob:
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
         server = _server_for(dict(env), cwd)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.connect(server.path)
+        try:
+            self._sock.connect(server.path)
+        except OSError as e:
+            raise WarmStartError(f"cannot reach the warm job server at {server.path}: {e}") from None
         read_end, write_end = os.pipe()
         try:
             request = json.dumps({"argv": argv, "env": dict(env), "cwd": str(cwd)}).encode()
