@@ -41,9 +41,9 @@ from typing import IO
 
 # Imported once in the server. Module imports only: nothing here may start a thread pool or init CUDA.
 PRELOAD = ["components.jobs.__main__", "components.stages", "torch", "transformers", "trl", "peft"]
-# A server serves jobs whose environment is the one it started with, but for these: set per job (or, by
-# pytest, per test) and read by no import.
-PER_JOB = ("COEVO_JOB_LAUNCHED_AT", "PYTEST_CURRENT_TEST")
+# A server serves jobs whose environment is the one it started with, but for these: set per job, per test
+# (pytest) or once in the flow's process after its first stage (MLflow's session id), and read by no import.
+PER_JOB = ("COEVO_JOB_LAUNCHED_AT", "PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SESSION_ID")
 MAX_MESSAGE = 1 << 20
 
 _lock = threading.Lock()
