@@ -115,3 +115,23 @@ def test_warm_and_cold_jobs_publish_the_same_bytes(tmp_path, monkeypatch):
         hashes[mode] = content_hashes(Path(spec.out_dir))
         assert any("wrote" in line for line in lines), lines
     assert hashes["1"] == hashes["0"] and "artifact:model" in hashes["1"], hashes
+
+
+def test_the_server_is_kept_across_per_job_variables_and_replaced_when_imports_would_differ(tmp_path, monkeypatch):
+    """MLflow sets its session id in the flow's environment after the first stage: the same server serves on.
+    A variable an import may read (HF_HUB_OFFLINE, read by transformers) gets a new one."""
+    from components.jobs import warm
+
+    monkeypatch.setenv("COEVO_WARM_JOBS", "1")
+    spec = _spec(tmp_path, nonsense=True)
+
+    def server_after_a_job() -> int:
+        with pytest.raises(StageJobError, match="exited with code 2"):
+            run_job("verify", spec, lambda _: None, 60)
+        return warm._server.proc.pid
+
+    first = server_after_a_job()
+    monkeypatch.setenv("_MLFLOW_TELEMETRY_SESSION_ID", "a-session")
+    assert server_after_a_job() == first
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
+    assert server_after_a_job() != first
