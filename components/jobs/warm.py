@@ -30,6 +30,7 @@ import atexit
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,11 +48,11 @@ PER_JOB = ("COEVO_JOB_LAUNCHED_AT", "PYTEST_CURRENT_TEST", "_MLFLOW_TELEMETRY_SE
 MAX_MESSAGE = 1 << 20
 
 _lock = threading.Lock()
+_server: _Server | None = None
 
 
 class WarmStartError(RuntimeError):
     """The server could not be started or reached; no job was forked, so a new interpreter may run it."""
-_server: _Server | None = None
 
 
 def enabled() -> bool:
@@ -86,8 +87,7 @@ class _Server:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
-        Path(self.path).unlink(missing_ok=True)
-        os.rmdir(self.dir)
+        shutil.rmtree(self.dir, ignore_errors=True)  # the socket's folder
 
 
 def _server_for(env: dict[str, str], cwd: Path) -> _Server:
@@ -95,9 +95,11 @@ def _server_for(env: dict[str, str], cwd: Path) -> _Server:
     with _lock:
         if _server is None or not _server.fits(env):
             if _server is None:
+                atexit.unregister(_shutdown)  # once, however many starts failed
                 atexit.register(_shutdown)
             else:
                 _server.stop()
+                _server = None  # a start that fails below leaves no stopped server behind
             _server = _Server(env, cwd)
         return _server
 
