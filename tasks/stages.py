@@ -3,12 +3,19 @@
 Retries cover transient faults only (the job was killed: OOM, preemption, timeout). A job that
 exits with an error (a verifier bug, bad input) fails the round at once. A stage that holds an
 accelerator (`Stage.gpu`) is tagged `gpu`: a tag concurrency limit of 1 serialises them per machine.
+
+A stage's task run carries only those of its tags that have a concurrency limit on the API it runs
+against. Prefect's task engine asks the server for slots of every tag a run carries, limit or not, and
+on SQLite (the ephemeral and `coevo server` database) that write races the server's own recording of
+the run's state events: a 503, then the client's fixed 2 s back-off. It cost about 2 s in 4 of 10 stage
+starts measured (docs/scale-out.md); a tag with no limit has nothing to enforce.
 """
 
 from __future__ import annotations
 
-from prefect import Task, get_run_logger, task
+from prefect import Task, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import ObjectNotFound
 from prefect.client.schemas.objects import TaskRun
 from prefect.runtime import task_run as task_run_ctx
 from prefect.states import State
@@ -30,9 +37,12 @@ def is_transient(task: Task, task_run: TaskRun, state: State) -> bool:
     return False
 
 
-def _make(stage: Stage) -> Task:
-    tags = ["coevo", f"stage:{stage.name}"] + (["gpu"] if stage.gpu else [])
+def stage_tags(stage: str) -> set[str]:
+    """The tags a stage's task run may carry; `limited_tags` keeps those with a concurrency limit."""
+    return {"coevo", f"stage:{stage}"} | ({"gpu"} if STAGES[stage].gpu else set())
 
+
+def _make(stage: Stage) -> Task:
     def run(cfg: ExperimentConfig, round: int, code_version: str | None = None) -> StageResult:
         pool = pool_of(cfg, stage.name)
         return run_stage_attempt(cfg, Store(cfg.store_path), round, stage.name, code_version=code_version,
@@ -41,7 +51,7 @@ def _make(stage: Stage) -> Task:
                                  runner=PoolRunner(cfg, pool) if pool else None)
 
     run.__name__ = stage.name
-    return task(run, name=stage.name, task_run_name=f"{stage.name}-r{{round}}", tags=tags,
+    return task(run, name=stage.name, task_run_name=f"{stage.name}-r{{round}}",
                 retry_condition_fn=is_transient, persist_result=False, cache_policy=NO_CACHE)
 
 
@@ -54,4 +64,17 @@ def stage_task(cfg: ExperimentConfig, stage: str) -> Task:
     sharded = cfg.execution.shards > 1 and STAGES[stage].merge is not None
     job_s = cfg.stage_timeout_s * (1 + cfg.stage_retries if sharded else 1)
     return STAGE_TASKS[stage].with_options(retries=cfg.stage_retries, retry_delay_seconds=2,
-                                           timeout_seconds=job_s + 120)
+                                           timeout_seconds=job_s + 120, tags=limited_tags(stage_tags(stage)))
+
+
+def limited_tags(tags: set[str]) -> set[str]:
+    """The tags that have a concurrency limit (`tag:<tag>`, active) on the current API: reads only."""
+    with get_client(sync_client=True) as client:
+        limited = set()
+        for tag in sorted(tags):
+            try:
+                if client.read_global_concurrency_limit_by_name(f"tag:{tag}").active:
+                    limited.add(tag)
+            except ObjectNotFound:
+                pass
+        return limited

@@ -200,16 +200,16 @@ def test_variable_defaults_validate_and_bad_values_are_rejected():
 
 
 def test_gpu_stages_route_to_the_gpu_pool():
-    """The GPU stages (Stage.gpu) are the stage tasks tagged `gpu` (the tag concurrency limit's tag) and the
+    """The GPU stages (Stage.gpu) are the stages tagged `gpu` (the tag concurrency limit's tag) and the
     ones execution.gpu_pool sends to this pool; the template's gpu_count help names the others."""
     from components.config import load_config
     from components.jobs.launch import pool_of
     from components.stages import STAGES
-    from tasks.stages import STAGE_TASKS
+    from tasks.stages import stage_tags
 
     gpu = sorted(n for n, s in STAGES.items() if s.gpu)
-    tagged = sorted(n for n, t in STAGE_TASKS.items() if "gpu" in t.tags)
-    assert tagged == gpu, f"expected the stage tasks tagged `gpu` to be the GPU stages {gpu}, found {tagged}"
+    tagged = sorted(n for n in STAGES if "gpu" in stage_tags(n))
+    assert tagged == gpu, f"expected the stages tagged `gpu` to be the GPU stages {gpu}, found {tagged}"
     cfg = load_config(REPO / "configs" / "arith.yaml", ["execution.gpu_pool=coevo-gpu", "execution.pool=coevo-cpu"])
     routed = sorted(n for n in STAGES if pool_of(cfg, n) == "coevo-gpu")
     assert routed == gpu, f"expected execution.gpu_pool to get the GPU stages {gpu}, found {routed}"
@@ -226,13 +226,17 @@ def test_work_pool_created_with_the_documented_command(prefect_server):
     """The documented command, run as a user runs it, against Prefect's local server. Then the pool read
     back; the pool runner's `stage_job` deployment on it and a flow run of it accepted; that run's Job built
     as a worker builds it (resolve_for_flow_run, through the API); a bad job variable refused by the
-    server; and the `gpu` tag limit set with the documented command."""
+    server; and the `gpu` tag limit set with the documented command, which tags the GPU stages' task runs
+    while it exists (and only then: a tagged run asks the server for slots)."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
     from prefect.settings import get_current_settings
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
+    from components.config import load_config
+    from components.stages import STAGES
     from tasks.pool import ensure_deployment
+    from tasks.stages import stage_task
 
     env = {**os.environ, **TELEMETRY_OFF, "PREFECT_API_URL": str(get_current_settings().api.url)}
 
@@ -284,14 +288,19 @@ def test_work_pool_created_with_the_documented_command(prefect_server):
             before = client.read_concurrency_limit_by_tag("gpu").concurrency_limit
         except ObjectNotFound:
             before = None
+        cfg = load_config(REPO / "configs" / "micro.yaml")
+        gpu = {n: {"gpu"} if s.gpu else set() for n, s in STAGES.items()}
         try:
             prefect("concurrency-limit", "create", "gpu", "3")
             got = client.read_concurrency_limit_by_tag("gpu").concurrency_limit
             assert got == 3, f"expected the `gpu` tag limit 3 after `concurrency-limit create gpu 3`, found {got}"
+            tags = {n: stage_task(cfg, n).tags for n in STAGES}
+            assert tags == gpu, f"expected the GPU stages' task runs tagged `gpu` under the limit, found {tags}"
+            client.delete_concurrency_limit_by_tag("gpu")
+            tags = {n: stage_task(cfg, n).tags for n in STAGES}
+            assert not any(tags.values()), f"expected no tag without a limit (no slot request), found {tags}"
         finally:  # the server is the session's: leave the limit as it was
-            if before is None:
-                client.delete_concurrency_limit_by_tag("gpu")
-            else:
+            if before is not None:
                 client.create_concurrency_limit(tag="gpu", concurrency_limit=before)
 
 
