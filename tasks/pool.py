@@ -15,6 +15,7 @@ the run and tells its endings apart:
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -64,19 +65,26 @@ class PoolRunner:
         self.pool = pool
         self.worker_timeout_s = cfg.execution.worker_timeout_s
         self.heartbeat_timeout_s = cfg.execution.heartbeat_timeout_s
+        self._deployment_id: UUID | None = None
+        # The shards of one attempt call this from threads at once. Their writes to the API (the deployment's
+        # upsert, each flow run's creation) go one at a time: on SQLite, two at once can collide, and the
+        # loser waits out the client's 2 s back-off (seen as the second shard's flow run created 2.3 s late).
+        self._writes = threading.Lock()
 
     def __call__(self, stage: str, spec_path: str, log: Callable[[str], None], timeout_s: float,
                  python: str | None) -> tuple[str, str | None]:
         beat_path = heartbeat_path(spec_path)
         storage.write_text(beat_path, "{}")  # a retry's file must not read as the last try's
         with get_client(sync_client=True) as client:
-            deployment_id = ensure_deployment(client, self.pool)
             # <experiment>/r<round>/<stage>/a<attempt>[.shard<k>], as the folder it writes
             name = "/".join(spec_path.removesuffix(".spec.json").split("/")[-4:])
             where = spec_path if storage.is_remote(spec_path) else str(Path(spec_path).resolve())
-            run = client.create_flow_run_from_deployment(
-                deployment_id, parameters={"stage": stage, "spec": where, "timeout_s": timeout_s},
-                name=name, tags=["coevo", f"stage:{stage}"])
+            with self._writes:
+                if self._deployment_id is None:
+                    self._deployment_id = ensure_deployment(client, self.pool)
+                run = client.create_flow_run_from_deployment(
+                    self._deployment_id, parameters={"stage": stage, "spec": where, "timeout_s": timeout_s},
+                    name=name, tags=["coevo", f"stage:{stage}"])
             log(f"{stage}: flow run {run.name} ({run.id}) on work pool {self.pool}")
             return self._wait(client, run.id, beat_path, stage, timeout_s)
 
