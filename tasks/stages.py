@@ -7,16 +7,16 @@ accelerator (`Stage.gpu`) is tagged `gpu`: a tag concurrency limit of 1 serialis
 A stage's task run carries only those of its tags that have a concurrency limit on the API it runs
 against. Prefect's task engine asks the server for slots of every tag a run carries, limit or not, and
 on SQLite (the ephemeral and `coevo server` database) that write races the server's own recording of
-the run's state events: a 503, then the client's fixed 2 s back-off. It cost about 2 s in 4 of 10 stage
-starts measured (docs/scale-out.md); a tag with no limit has nothing to enforce.
+the run's state events: a 503, then the client's fixed 2 s back-off. It cost about 2 s in up to half
+of the stage starts measured (docs/scale-out.md); a tag with no limit has nothing to enforce.
 """
 
 from __future__ import annotations
 
 from prefect import Task, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import ObjectNotFound
 from prefect.client.schemas.objects import TaskRun
+from prefect.exceptions import ObjectNotFound
 from prefect.runtime import task_run as task_run_ctx
 from prefect.states import State
 
