@@ -299,9 +299,14 @@ def test_work_pool_created_with_the_documented_command(prefect_server):
             client.delete_concurrency_limit_by_tag("gpu")
             tags = {n: stage_task(cfg, n).tags for n in STAGES}
             assert not any(tags.values()), f"expected no tag without a limit (no slot request), found {tags}"
-        finally:  # the server is the session's: leave the limit as it was
+        finally:  # the server is the session's: leave the limit as it was, whichever assertion failed
             if before is not None:
                 client.create_concurrency_limit(tag="gpu", concurrency_limit=before)
+            else:
+                try:
+                    client.delete_concurrency_limit_by_tag("gpu")
+                except ObjectNotFound:
+                    pass
 
 
 # -- the stage-job image -------------------------------------------------------------------------------
