@@ -155,13 +155,17 @@ class WarmJob:
 # -- the server ---------------------------------------------------------------------------------------
 
 def _child(request: dict, out_fd: int) -> None:
-    """The job, in the forked child: the caller's environment and pipe, then `main`, then exit."""
+    """The job, in the forked child: the caller's environment and pipe, then its code, then exit.
+
+    A request names a stage job (`argv` for `components.jobs.__main__.main`), or a `module` to run as
+    `python -m <module> <argv>` would (a Prefect flow run's engine: `flows/warm_engine.py`)."""
     rc = 1
+    module = request.get("module")
     try:
         try:  # first: setproctitle finds the argv memory it rewrites by the environment that follows it
             from setproctitle import setproctitle
 
-            setproctitle(" ".join([sys.executable, "-m", "components.jobs", *request["argv"]]))
+            setproctitle(" ".join([sys.executable, "-m", module or "components.jobs", *request["argv"]]))
         except ImportError:  # only `ps` and the fault tests read it
             pass
         os.environ.clear()
@@ -172,65 +176,133 @@ def _child(request: dict, out_fd: int) -> None:
         os.close(out_fd)
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own streams
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-        from components.jobs.__main__ import main
+        if module:
+            import runpy
+            import warnings
 
-        rc = main(request["argv"])
-    except SystemExit as e:  # argparse
-        rc = e.code if isinstance(e.code, int) else 2
+            sys.argv = [module, *request["argv"]]
+            rc = 0
+            with warnings.catch_warnings():  # it is imported (preloaded) here, unlike under `python -m`
+                warnings.filterwarnings("ignore", r".*found in sys\.modules after import of package", RuntimeWarning)
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            from components.jobs.__main__ import main
+
+            rc = main(request["argv"])
+    except SystemExit as e:  # argparse, or the module's own exit
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
         import traceback
 
         traceback.print_exc()
+        rc = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        try:
+            if module:  # what the interpreter's exit runs first: the module's threads drain (Prefect's log and
+                _exit_hooks()  # event workers), then its atexit hooks; only the slow module teardown is skipped
+            for stream in (sys.stdout, sys.stderr):
+                if not stream.closed:  # a module may close its own (`json.tool` does)
+                    stream.flush()
+        finally:
+            os._exit(rc)  # never back into the server's loop
 
 
-def serve(path: str) -> None:
-    for name in PRELOAD:
+def _exit_hooks() -> None:
+    import atexit
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # joins non-daemon threads, runs their exit hooks
+        atexit._run_exitfuncs()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+
+
+def serve(path: str, preload: list[str] = PRELOAD, parent: int | None = None,
+          per_job: tuple[str, ...] | None = None) -> None:
+    """Fork a job per connection to `path`, with `preload` imported once.
+
+    It ends, killing its jobs, when its caller's stdin closes or, given `parent`, when that process ends
+    (a worker's server outlives the flow run that started it). A job whose caller hangs up before it
+    ends is killed: the caller stands for it. Given `per_job`, a request whose environment differs from
+    the server's in another variable is refused, so the caller can start its job as a new interpreter.
+    """
+    mine = {k: v for k, v in os.environ.items() if k not in (per_job or ())}  # as started: imports add some
+    for name in preload:
         __import__(name)
     if sys.flags.hash_randomization:  # the jobs' set order would change from run to run
         raise SystemExit("the warm job server needs PYTHONHASHSEED=0, as run_job gives it")
+    if threading.active_count() > 1:  # a fork copies only this thread: a pool or client thread would be lost
+        raise SystemExit(f"the warm job server's imports started threads: {threading.enumerate()}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
     sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
-    sel.register(sys.stdin.fileno(), selectors.EVENT_READ)
+    sel.register(listener, selectors.EVENT_READ, "accept")
+    if parent is None:
+        sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "caller")
+    else:
+        sel.register(os.pidfd_open(parent), selectors.EVENT_READ, "caller")
     print("ready", flush=True)
     jobs: dict[int, socket.socket] = {}
+    hung_up: set[int] = set()
+
+    def kill(pid: int) -> None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     while True:
         for key, _ in sel.select(timeout=0.05):
-            if key.fileobj == sys.stdin.fileno():
-                if not os.read(sys.stdin.fileno(), 1024):  # our caller ended: so do we, and our jobs
+            if key.data == "caller":
+                if parent is not None or not os.read(sys.stdin.fileno(), 1024):  # it ended: so do we, and our jobs
                     for pid in jobs:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
+                        kill(pid)
+                    if parent is not None:
+                        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
                     os._exit(0)
+                continue
+            if key.data != "accept":  # a job's caller hung up (its answer is still to come, so this is EOF)
+                sel.unregister(key.fileobj)
+                hung_up.add(key.data)
+                kill(key.data)
                 continue
             conn, _ = listener.accept()
             message, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
             if not message or len(fds) != 1:
                 conn.close()
                 continue
+            request = json.loads(message)
+            if per_job is not None and (differ := sorted(
+                    k for k in set(mine) | set(request["env"])
+                    if k not in per_job and mine.get(k) != request["env"].get(k))):
+                os.close(fds[0])
+                conn.send(json.dumps({"refused": f"its environment differs from this server's in {differ}"}).encode())
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 sel.close()
                 listener.close()
-                conn.close()
-                _child(json.loads(message), fds[0])
+                for c in [conn, *jobs.values()]:  # the other jobs' callers must see this server's end alone
+                    c.close()
+                _child(request, fds[0])
             os.close(fds[0])
             conn.send(json.dumps({"pid": pid}).encode())
             jobs[pid] = conn
+            sel.register(conn, selectors.EVENT_READ, pid)
         while jobs:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = jobs.pop(pid, None)
             if conn is not None:
+                if pid in hung_up:
+                    hung_up.discard(pid)
+                else:
+                    sel.unregister(conn)
                 try:
                     conn.send(json.dumps({"rc": os.waitstatus_to_exitcode(status)}).encode())
                 except OSError:  # the caller gave up on it
@@ -238,5 +310,18 @@ def serve(path: str) -> None:
                 conn.close()
 
 
+def _main(argv: list[str]) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m components.jobs.warm", description=serve.__doc__.splitlines()[0])
+    ap.add_argument("socket")
+    ap.add_argument("--preload", default=",".join(PRELOAD), help="modules to import once, comma-separated")
+    ap.add_argument("--parent", type=int, help="end with this process, not with stdin")
+    ap.add_argument("--per-job", help="comma-separated variables a job's environment may differ in")
+    args = ap.parse_args(argv)
+    serve(args.socket, args.preload.split(","), args.parent,
+          None if args.per_job is None else tuple(args.per_job.split(",")))
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    _main(sys.argv[1:])
