@@ -419,7 +419,7 @@ class ImportConfig(_Section):
 
 # Where a stage job runs, not what it computes: left out of `config_hash`, so an experiment started on a laptop
 # resumes on a cluster (and back) as the same experiment.
-PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s", "storage")
+PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s", "warm_workers", "storage")
 
 
 class ExecutionConfig(_Section):
@@ -439,6 +439,11 @@ class ExecutionConfig(_Section):
                                                          "to pick it up before the stage fails, naming the pool.")
     heartbeat_timeout_s: int = Field(60, ge=5, description="A pool job whose heartbeat file is older than this "
                                                            "is taken for lost (its worker died) and retried.")
+    warm_workers: bool = Field(True, description="On a `process` pool, each flow run forks from a server of its "
+                                                 "worker's that imported Prefect and torch once (`python -m "
+                                                 "flows.warm_engine`, flows/warm_engine.py), which needs the "
+                                                 "project's `python` first on the worker's PATH; false: Prefect's "
+                                                 "`python -m prefect.engine`, a new interpreter per flow run.")
     storage: str | None = Field(None, description="Where stage outputs, specs and checkpoints lie, as an fsspec URL "
                                                   "(s3://bucket/prefix) or a shared path that every worker mounts; "
                                                   "null: the workdir. The DuckDB store and MLflow's SQLite stay in the "

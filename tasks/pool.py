@@ -6,6 +6,8 @@ the run and tells its endings apart:
 
 - no worker picked it up within `execution.worker_timeout_s`: the run is cancelled and the stage fails,
   naming the pool (not retried: a retry would wait the same way);
+- a worker took it (Pending) but its process never started within that time: the worker died in
+  between; the run is marked Crashed and the job is retried;
 - its heartbeat file (beside the spec, on shared storage) went quiet for `execution.heartbeat_timeout_s`:
   its worker died; the run is marked Crashed and the job is a transient failure, which is retried;
 - it ended: Completed means the job published its manifest, which the caller verifies and commits;
@@ -21,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from uuid import UUID
 
+import httpx
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import StateType
 from prefect.exceptions import ObjectNotFound
@@ -32,7 +35,41 @@ from components.jobs.launch import StageJobError
 
 FLOW = "stage_job"
 ENTRYPOINT = "flows.stage_job.stage_job"  # a module path: the worker imports the installed project
-POLL_S = 0.5
+POLL_S = 0.1  # the heartbeat file, on a shared path
+POLL_REMOTE_S = 0.5  # the heartbeat file, in a bucket: a GET each
+STATE_EVERY_S = 1.0  # the flow run's state, from the Prefect server
+# A process worker's flow run, forked from the worker's warm server (flows/warm_engine.py). `python` is the
+# worker's PATH's, as in Prefect's own `command` examples: start the worker in the project's environment.
+WARM_COMMAND = "python -m flows.warm_engine"
+
+
+class QuickRetry(httpx.HTTPTransport):
+    """Retries a 503 at once, then after 0.05, 0.1, 0.2 and 0.4 s, before Prefect's client sees it.
+
+    A Prefect server on SQLite answers 503 when a write of ours collides with one of its own or a worker's
+    (SQLITE_BUSY), and the write was rolled back. Prefect's client would retry it after 2 s, every time;
+    on a small stage that is a shard's whole body (`docs/scale-out.md`). A 503 that outlasts these goes on
+    to the client's own retries, as before."""
+
+    BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.4)
+
+    def __init__(self) -> None:
+        super().__init__(retries=3)  # Prefect's default transport's connection retries
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        for wait in self.BACKOFF_S:
+            if response.status_code != 503:
+                break
+            response.read()
+            response.close()
+            time.sleep(wait)
+            response = super().handle_request(request)
+        return response
+
+
+def _client():
+    return get_client(sync_client=True, httpx_settings={"transport": QuickRetry()})
 
 
 class PoolError(StageJobError):
@@ -42,19 +79,25 @@ class PoolError(StageJobError):
         super().__init__(message, None, transient=False)
 
 
-def ensure_deployment(client, pool: str) -> UUID:
-    """The pool's `stage_job` deployment, created (or updated) on first use; an unknown pool is an error."""
+def ensure_deployment(client, pool: str, warm: bool = True) -> UUID:
+    """The pool's `stage_job` deployment, created (or updated) on first use; an unknown pool is an error.
+
+    On a `process` pool, `warm` has the worker start each flow run with `WARM_COMMAND`, forked from a
+    server of the worker's that imported Prefect and torch once, instead of `python -m prefect.engine`."""
     try:
-        client.read_work_pool(pool)
+        work_pool = client.read_work_pool(pool)
     except ObjectNotFound:
         raise PoolError(f"unknown work pool {pool!r} (execution.pool / COEVO_POOL): create it with "
                         f"`prefect work-pool create {pool} --type process`, or see infra/k8s-stage-job.yaml") from None
     flow_id = client.create_flow_from_name(FLOW)
     # The flow run's process is the job's (flows/stage_job.py), so it gets a job's environment (`run_job`).
     env = {"PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+    job_variables: dict = {"env": env}
+    if warm and work_pool.type == "process":
+        job_variables["command"] = WARM_COMMAND
     return client.create_deployment(flow_id=flow_id, name=pool, work_pool_name=pool, entrypoint=ENTRYPOINT,
                                     tags=["coevo"], enforce_parameter_schema=False, pull_steps=[],
-                                    job_variables={"env": env},
+                                    job_variables=job_variables,
                                     description="One coevo stage job: python -m components.jobs <stage> --spec <spec>")
 
 
@@ -65,6 +108,7 @@ class PoolRunner:
         self.pool = pool
         self.worker_timeout_s = cfg.execution.worker_timeout_s
         self.heartbeat_timeout_s = cfg.execution.heartbeat_timeout_s
+        self.warm = cfg.execution.warm_workers
         self._deployment_id: UUID | None = None
         # The shards of one attempt call this from threads at once. Their writes to the API (the deployment's
         # upsert, each flow run's creation) go one at a time: on SQLite, two at once can collide, and the
@@ -75,13 +119,13 @@ class PoolRunner:
                  python: str | None) -> tuple[str, str | None]:
         beat_path = heartbeat_path(spec_path)
         storage.write_text(beat_path, "{}")  # a retry's file must not read as the last try's
-        with get_client(sync_client=True) as client:
+        with _client() as client:
             # <experiment>/r<round>/<stage>/a<attempt>[.shard<k>], as the folder it writes
             name = "/".join(spec_path.removesuffix(".spec.json").split("/")[-4:])
             where = spec_path if storage.is_remote(spec_path) else str(Path(spec_path).resolve())
             with self._writes:
                 if self._deployment_id is None:
-                    self._deployment_id = ensure_deployment(client, self.pool)
+                    self._deployment_id = ensure_deployment(client, self.pool, self.warm)
                 run = client.create_flow_run_from_deployment(
                     self._deployment_id, parameters={"stage": stage, "spec": where, "timeout_s": timeout_s},
                     name=name, tags=["coevo", f"stage:{stage}"])
@@ -91,25 +135,35 @@ class PoolRunner:
     def _wait(self, client, run_id: UUID, beat_path: str, stage: str, timeout_s: float) -> tuple[str, str | None]:
         t0 = time.monotonic()
         started: float | None = None
+        state, asked = None, 0.0
+        poll_s = POLL_REMOTE_S if storage.is_remote(beat_path) else POLL_S
         while True:
-            time.sleep(POLL_S)
-            state = client.read_flow_run(run_id).state
-            kind = state.type if state else StateType.SCHEDULED
+            time.sleep(poll_s)
             beat = _read(beat_path)
             worker = beat.get("worker")
+            # The heartbeat file tells a job's end first; the server is asked less often: on 2 cores, every
+            # request is CPU taken from the jobs.
+            if beat.get("status") not in ("published", "failed") and time.monotonic() - asked >= STATE_EVERY_S:
+                state, asked = client.read_flow_run(run_id).state, time.monotonic()
+            kind = state.type if state else StateType.SCHEDULED
             if kind in (StateType.SCHEDULED, StateType.PENDING) and not beat:
-                if time.monotonic() - t0 > self.worker_timeout_s:
-                    client.set_flow_run_state(run_id, Cancelled(message="no worker picked it up"), force=True)
-                    raise PoolError(f"no worker of work pool {self.pool!r} picked up the {stage} job within "
-                                    f"execution.worker_timeout_s={self.worker_timeout_s}s: start one with "
-                                    f"`prefect worker start --pool {self.pool}`")
-                continue
+                if time.monotonic() - t0 <= self.worker_timeout_s:
+                    continue
+                if kind == StateType.PENDING:  # a worker took it, and died before its process started
+                    client.set_flow_run_state(run_id, Crashed(message="taken by a worker, never started"), force=True)
+                    raise StageJobError(f"{stage} job taken by a worker of work pool {self.pool!r} but not started "
+                                        f"within execution.worker_timeout_s={self.worker_timeout_s}s: its worker "
+                                        "died?", None, transient=True, flow_run_id=str(run_id))
+                client.set_flow_run_state(run_id, Cancelled(message="no worker picked it up"), force=True)
+                raise PoolError(f"no worker of work pool {self.pool!r} picked up the {stage} job within "
+                                f"execution.worker_timeout_s={self.worker_timeout_s}s: start one with "
+                                f"`prefect worker start --pool {self.pool}`")
             started = started or time.monotonic()
             # The job's own ending, from the heartbeat file, comes first: the flow run's state follows it.
             if beat.get("status") == "published" or kind == StateType.COMPLETED:
                 return worker or "unknown", str(run_id)
             if beat.get("status") == "failed" or kind in (StateType.FAILED, StateType.CRASHED, StateType.CANCELLED):
-                msg = beat.get("error") or f"flow run {run_id} ended {kind.value}: {state.message}"
+                msg = beat.get("error") or f"flow run {run_id} ended {kind.value}: {state.message if state else ''}"
                 transient = beat.get("transient", kind != StateType.FAILED)
                 raise StageJobError(f"{stage} job on worker {worker}: {msg}", beat.get("returncode"),
                                     transient=bool(transient), worker=worker, flow_run_id=str(run_id))

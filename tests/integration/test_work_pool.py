@@ -8,9 +8,10 @@ runs twice:
 - `killed`: through the pool, with every spec, part, manifest, heartbeat and checkpoint in an S3 bucket
   (moto's server on 127.0.0.1, `s3_endpoint`). Each worker and the flow have a cache of their own, as
   on three machines, so whatever one reads of another's it fetched from the bucket. While a `generate`
-  shard runs, its worker is SIGKILLed with every process under it (the flow run and the job: a node
-  that dies). Its heartbeat stops, the orchestrator marks the flow run Crashed and retries that shard
-  alone on the worker that is left.
+  shard runs, its worker is SIGKILLed with every process under it (a node that dies). Its flow run,
+  forked from the worker's warm server (`flows/warm_engine.py`), and that server end with it. Its
+  heartbeat stops, the orchestrator marks the flow run Crashed and retries that shard alone on the
+  worker that is left.
 
 Both must give the same store content, table by table: for a fixed number of shards, neither where
 the jobs ran nor the kill changes what the experiment holds.
@@ -37,10 +38,11 @@ pytestmark = pytest.mark.slow
 
 POOL = "coevo-test-pool"
 WORKERS = ("worker-a", "worker-b")
-# Small enough that a run through the pool takes about a minute; the stages are micro's.
+# Small enough that a run through the pool takes about a minute; the stages are micro's. A generate shard
+# samples for about a second, for the kill to land in it.
 SMALL = ["rounds=1", "execution.shards=2", "execution.heartbeat_timeout_s=10",
          "execution.worker_timeout_s=90", "stage_retries=2", "bootstrap.steps=80", "bootstrap.problems_per_level=150",
-         "generate.problems_per_level=12", "generate.samples_per_problem=4", "train_policy.steps=20",
+         "generate.problems_per_level=12", "generate.samples_per_problem=24", "train_policy.steps=20",
          "evaluate.problems_per_level=12", "tracking.enabled=false"]
 
 
@@ -51,8 +53,11 @@ def _api_url() -> str:
 
 
 def _worker_env(s3_env: dict[str, str], cache: Path) -> dict[str, str]:
+    # This interpreter's folder first on PATH, as in an activated environment: flow runs start as
+    # `python -m flows.warm_engine` (execution.warm_workers).
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return os.environ | TELEMETRY_OFF | s3_env | {
-        "PREFECT_API_URL": _api_url(), "PYTHONPATH": str(REPO), "COEVO_TORCH_THREADS": "1",
+        "PREFECT_API_URL": _api_url(), "PYTHONPATH": str(REPO), "COEVO_TORCH_THREADS": "1", "PATH": path,
         "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "0",
         "PREFECT_LOGGING_LEVEL": "INFO", "COEVO_CACHE_DIR": str(cache)}
 
@@ -107,6 +112,23 @@ def _kill_tree(pid: int) -> list[int]:
     return [p.pid for p in procs]
 
 
+def _processes_of(worker: str, within_s: float) -> list[str]:
+    """The processes still running for `worker` (its flow runs and its warm server, forked outside its process
+    tree, carry its name in their environment) once `within_s` has passed or none is left."""
+    t0 = time.monotonic()
+    while True:
+        left = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("PREFECT__WORKER_NAME") == worker:
+                    left.append(f"{p.pid}: {' '.join(p.cmdline())}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                pass
+        if not left or time.monotonic() - t0 > within_s:
+            return left
+        time.sleep(0.1)
+
+
 def _run(workdir: Path, *overrides: str) -> None:
     from flows.evolution import self_evolution
 
@@ -133,12 +155,12 @@ def runs(workers, s3_endpoint, tmp_path_factory):
         while time.monotonic() - t0 < 600 and not victim:
             for beat in fs.glob(f"{s3_endpoint.bucket}/{STORAGE}/pool/r1/generate/a*.shard*.spec.json.heartbeat"):
                 body = json.loads(fs.cat_file(beat) or b"{}")
-                if body.get("status") == "running" and time.time() - body["time"] < 3:
-                    time.sleep(2)  # mid-shard: the job has started sampling
+                if body.get("status") == "running" and time.time() - body["time"] < 3:  # mid-shard
                     victim.update(worker=body["worker"], shard=beat.rsplit("/", 1)[-1].split(".")[1],
                                   pids=_kill_tree(procs[body["worker"]].pid))
+                    victim["survivors"] = _processes_of(body["worker"], within_s=5)
                     return
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     killer = threading.Thread(target=kill_a_generate_shard, daemon=True)
     killer.start()
@@ -203,6 +225,19 @@ def test_the_pool_run_s_outputs_lie_in_the_bucket_and_no_credential_in_the_store
     for name in (*WORKERS, "flow"):  # three machines' caches, each filled from the bucket
         assert any((logs / f"{name}-cache").rglob("manifest.json")), f"{name} never fetched nor wrote a manifest"
     assert s3_endpoint.secret not in (killed / "coevo.duckdb").read_bytes().decode("latin-1")
+
+
+def test_flow_runs_fork_from_their_worker_s_warm_server_and_die_with_the_worker(runs):
+    """Every flow run of the pool started as `python -m flows.warm_engine` and was forked from its worker's
+    server, none as a new interpreter; the killed worker's job and server ended with it."""
+    _, killed, victim, logs = runs
+    store = Store(killed / "coevo.duckdb")
+    jobs = [j for r in store.stage_runs("pool") for j in store.stage_jobs(r["stage_run_id"])]
+    text = "".join((logs / f"{name}.log").read_text() for name in WORKERS)
+    forked = text.count("coevo: flow run forked from the worker's warm server")
+    assert "as a new interpreter" not in text, [line for line in text.splitlines() if "new interpreter" in line]
+    assert forked == len(jobs), f"{forked} warm flow runs for {len(jobs)} pool jobs"
+    assert victim.get("survivors") == [], f"still running after its worker was killed: {victim}"
 
 
 def test_the_killed_pool_run_has_the_local_run_s_content(runs):
