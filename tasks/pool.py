@@ -164,6 +164,11 @@ class PoolRunner:
                 return worker or "unknown", str(run_id)
             if beat.get("status") == "failed" or kind in (StateType.FAILED, StateType.CRASHED, StateType.CANCELLED):
                 msg = beat.get("error") or f"flow run {run_id} ended {kind.value}: {state.message if state else ''}"
+                if not beat:  # it never reached the stage job
+                    msg += " before the job started: see the worker's log"
+                    if self.warm:
+                        msg += (f" (a process pool's worker runs `{WARM_COMMAND}` with the `python` first on its "
+                                "PATH; execution.warm_workers=false runs Prefect's own command)")
                 transient = beat.get("transient", kind != StateType.FAILED)
                 raise StageJobError(f"{stage} job on worker {worker}: {msg}", beat.get("returncode"),
                                     transient=bool(transient), worker=worker, flow_run_id=str(run_id))
