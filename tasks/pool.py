@@ -54,7 +54,19 @@ class QuickRetry(httpx.HTTPTransport):
     BACKOFF_S = (0.0, 0.05, 0.1, 0.2, 0.4)
 
     def __init__(self) -> None:
-        super().__init__(retries=3)  # Prefect's default transport's connection retries
+        import ssl
+
+        import certifi
+        from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
+
+        # TLS as Prefect's client sets it up for its own transport (prefect/client/orchestration)
+        if PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value():
+            verify = ssl.create_default_context()
+            verify.check_hostname = False
+            verify.verify_mode = ssl.CERT_NONE
+        else:
+            verify = ssl.create_default_context(cafile=PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
+        super().__init__(retries=3, verify=verify)  # and its connection retries
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         response = super().handle_request(request)
@@ -69,6 +81,10 @@ class QuickRetry(httpx.HTTPTransport):
 
 
 def _client():
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():  # Prefect's ephemeral server, in this process: no HTTP (nor any worker)
+        return get_client(sync_client=True)
     return get_client(sync_client=True, httpx_settings={"transport": QuickRetry()})
 
 
