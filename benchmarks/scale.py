@@ -9,10 +9,11 @@ It runs configs/arith.yaml (the embedded default) as local subprocesses twice: `
 1. **Workers.** `scale`'s round 1 `generate` and `score` again, as new attempts of the same stages, on a
    `process` work pool served first by one worker, then by two (each `--limit 1`, one torch thread per
    job: a worker is one core here, one GPU on a cluster). The two arms run side by side in this one run;
-   both must commit the same content (the same shards, the same seeds). Each arm runs `--reps` times (3),
-   and the ratio is median wall(1 worker) / median wall(2 workers). Goal: at least 1.6. Before each arm, every worker has run an untimed
-   `score` attempt: a worker's first flow run starts its warm server (`flows/warm_engine.py`), a cost
-   it pays once, as it pays its own start-up, and later flow runs fork from it.
+   both must commit the same content (the same shards, the same seeds). Each arm runs `--reps` times
+   (3), and the ratio is median wall(1 worker) / median wall(2 workers). Goal: at least 1.6. Before
+   each arm, every worker has run an untimed `score` attempt: a worker's first flow run starts its warm
+   server (`flows/warm_engine.py`), a cost it pays once, as it pays its own start-up, and later flow
+   runs fork from it.
 2. **Overhead.** Round 1 of `scale-default`, stage by stage, from the store:
    - `body`: the job's own work (`manifest.timings.total_s`: the stage's function and its writes, model
      loads included);

@@ -73,10 +73,13 @@ def _server(worker_pid: int) -> socket.socket:
     if sock := _connect(path):
         return sock
     os.makedirs(folder, mode=0o700, exist_ok=True)
+    failed = os.path.join(folder, "failed")
     with open(os.path.join(folder, "start.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if sock := _connect(path):  # another flow run of this worker started it meanwhile
             return sock
+        if os.path.exists(failed):  # once per worker: its later flow runs go cold at once
+            raise OSError(f"the worker's warm server failed to start before (see {folder}/server.log)")
         if os.path.exists(path):  # a server that died: its socket is left
             os.unlink(path)
         with open(os.path.join(folder, "server.log"), "ab") as log:
@@ -87,6 +90,7 @@ def _server(worker_pid: int) -> socket.socket:
         ready = _readline(proc, START_TIMEOUT_S)
         if ready.strip() != b"ready":
             proc.kill()
+            open(failed, "w").close()
             raise OSError(f"the worker's warm server did not start (see {folder}/server.log)")
         proc.stdout.close()
         if not (sock := _connect(path)):
@@ -104,7 +108,7 @@ def _readline(proc: subprocess.Popen, timeout_s: float) -> bytes:
 
 def main() -> int:
     worker_pid = os.getppid()
-    if os.environ.get("COEVO_WARM_JOBS", "1") == "0" or not sys.platform.startswith("linux") or worker_pid == 1:
+    if os.environ.get("COEVO_WARM_JOBS", "1") == "0" or not sys.platform.startswith("linux"):
         _cold()
     t0 = time.perf_counter()
     try:

@@ -22,6 +22,11 @@ that signal, as `subprocess` says). The server ends when its caller does (its st
 Used where the job would run under this very interpreter with one process; vLLM's environment and
 `accelerate launch` keep their own interpreters (`launch.run_job`). `COEVO_WARM_JOBS=0` turns it off.
 A server whose imports would see another environment than the caller's now is replaced.
+
+A process worker's server (`flows/warm_engine.py`) is the same server with other arguments: it
+preloads Prefect's engine too, forks children that run a module as `python -m <module>` would, ends
+with the worker's pid instead of its stdin, and refuses a request whose environment is not its own.
+Any server kills a job whose caller hung up.
 """
 
 from __future__ import annotations
