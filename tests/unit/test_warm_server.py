@@ -53,7 +53,7 @@ def _request(path: Path, module: str, argv: list[str], env: dict, out_fd: int) -
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone; or going, as the kernel answers mid-exit (ESRCH)
         return False
 
 
