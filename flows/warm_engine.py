@@ -35,15 +35,15 @@ import sys
 import tempfile
 import time
 
+from components.jobs import warm  # standard library only: this process must start in milliseconds
+
 # Imported once by the worker's server: the engine, the stage flow and what its jobs import.
 PRELOAD = ["prefect.engine", "prefect.flow_engine", "flows.stage_job", "components.jobs.__main__",
            "components.stages", "torch", "transformers", "trl", "peft"]
-# What the worker sets per flow run (prefect/runner/_starter_engine.py), and coevo per job.
+# What the worker sets per flow run (prefect/runner/_starter_engine.py), and what a local warm job's may differ in.
 PER_RUN = ("PREFECT__FLOW_RUN_ID", "PREFECT__CONTROL_PORT", "PREFECT__CONTROL_TOKEN", "PREFECT__STORAGE_BASE_PATH",
-           "PREFECT__DEPLOYMENT_NAME", "PREFECT__FLOW_ENTRYPOINT", "COEVO_JOB_LAUNCHED_AT", "PYTEST_CURRENT_TEST",
-           "_MLFLOW_TELEMETRY_SESSION_ID")
+           "PREFECT__DEPLOYMENT_NAME", "PREFECT__FLOW_ENTRYPOINT", *warm.PER_JOB)
 START_TIMEOUT_S = 120.0
-MAX_MESSAGE = 1 << 20
 
 
 def _cold() -> None:
@@ -115,8 +115,7 @@ def main() -> int:
         sock = _server(worker_pid)
         request = {"module": "prefect.engine", "argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}
         sys.stdout.flush()
-        socket.send_fds(sock, [json.dumps(request).encode()], [sys.stdout.fileno()])
-        answer = json.loads(sock.recv(MAX_MESSAGE) or b"{}")
+        answer = warm.send_request(sock, request, sys.stdout.fileno())
     except (OSError, ValueError) as e:
         print(f"coevo: warm start failed ({e}); starting the flow run as a new interpreter", file=sys.stderr)
         _cold()
@@ -136,7 +135,7 @@ def main() -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    end = sock.recv(MAX_MESSAGE)  # its exit status (a signal's handler does not interrupt it: PEP 475)
+    end = sock.recv(warm.MAX_MESSAGE)  # its exit status (a signal's handler does not interrupt it: PEP 475)
     if not end:  # the server died, and its jobs with it
         print("coevo: the worker's warm server ended before the flow run did", file=sys.stderr)
         return 1

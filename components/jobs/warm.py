@@ -115,6 +115,14 @@ def _shutdown() -> None:
             _server.stop()
 
 
+def send_request(sock: socket.socket, request: dict, out_fd: int) -> dict:
+    """Send a server a job, `request` ({argv, env, cwd} and optionally a `module`), with the descriptor its
+    output goes to; its answer: {"pid"} once forked, {"refused"}, or {} if the server hung up."""
+    socket.send_fds(sock, [json.dumps(request).encode()], [out_fd])
+    answer = sock.recv(MAX_MESSAGE)
+    return json.loads(answer) if answer else {}
+
+
 class WarmJob:
     """A forked job with the parts of `subprocess.Popen` that `run_job` uses: pid, stdout, wait, kill."""
 
@@ -126,16 +134,14 @@ class WarmJob:
         except OSError as e:
             raise WarmStartError(f"cannot reach the warm job server at {server.path}: {e}") from None
         read_end, write_end = os.pipe()
+        self.stdout: IO[str] = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
         try:
-            request = json.dumps({"argv": argv, "env": dict(env), "cwd": str(cwd)}).encode()
-            socket.send_fds(self._sock, [request], [write_end])
+            answer = send_request(self._sock, {"argv": argv, "env": dict(env), "cwd": str(cwd)}, write_end)
         finally:
             os.close(write_end)  # the child holds the only write end: its exit is the reader's EOF
-        self.stdout: IO[str] = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115
-        answer = self._sock.recv(MAX_MESSAGE)
-        if not answer:
+        if "pid" not in answer:
             raise RuntimeError("the warm job server ended before it forked the job")
-        self.pid: int = json.loads(answer)["pid"]
+        self.pid: int = answer["pid"]
         self.returncode: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:

@@ -43,11 +43,11 @@ def server(tmp_path):
 
 
 def _request(path: Path, module: str, argv: list[str], env: dict, out_fd: int) -> tuple[socket.socket, dict]:
+    from components.jobs.warm import send_request
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     sock.connect(str(path))
-    body = {"module": module, "argv": argv, "env": env, "cwd": str(REPO)}
-    socket.send_fds(sock, [json.dumps(body).encode()], [out_fd])
-    return sock, json.loads(sock.recv(1 << 20))
+    return sock, send_request(sock, {"module": module, "argv": argv, "env": env, "cwd": str(REPO)}, out_fd)
 
 
 def _alive(pid: int) -> bool:
