@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -389,6 +390,24 @@ def test_dockerignore_keeps_environments_out_and_the_sources_in():
     assert not excluded, f"expected no COPY source excluded by .dockerignore, found {excluded}"
 
 
+def test_dockerfile_runs_jobs_as_a_non_root_user():
+    """The last USER decides who the jobs run as. Kubernetes's `runAsNonRoot` can only verify a numeric one."""
+    ins = dockerfile()
+    users = [(i, a) for i, (w, a) in enumerate(ins) if w == "USER"]
+    assert users, "expected a USER instruction: without one the stage jobs run as root"
+    at, user = users[-1]
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit() and int(uid) != 0 and (not gid or gid.isdigit() and int(gid) != 0), \
+        f"expected the last USER a numeric uid[:gid] other than 0 (root), found {user!r}"
+    runs = [a for i, (w, a) in enumerate(ins) if w == "RUN" and i < at]
+    made = [a for a in runs if re.search(rf"\buseradd\b.*--uid {uid}\b", a)]
+    assert made, f"expected a RUN before USER {user} to create uid {uid} (useradd --uid {uid}), found {runs}"
+    mounts = container(template()["job_configuration"]["job_manifest"])["volumeMounts"]
+    workdir = next(m["mountPath"] for m in mounts if m["name"] == "workdir")
+    chowned = [a for a in runs if re.search(rf"\bchown\b.*\b(coevo|{uid})(:\S+)? {re.escape(workdir)}\b", a)]
+    assert chowned, f"expected a RUN to give the job's user the workdir mount {workdir} (chown), found {runs}"
+
+
 # -- the services --------------------------------------------------------------------------------------
 
 def test_compose_stands_up_the_services():
@@ -405,16 +424,16 @@ def test_compose_stands_up_the_services():
     published = {}
     for name, s in services.items():
         for binding in s.get("ports", []):
-            m = re.fullmatch(r"(\d+):(\d+)", str(binding))
-            assert m, f"expected {name}'s port binding as HOST:CONTAINER, found {binding!r}"
+            m = re.fullmatch(r"127\.0\.0\.1:(\d+):(\d+)", str(binding))
+            assert m, f"expected {name}'s port binding as 127.0.0.1:HOST:CONTAINER, found {binding!r}"
             assert m.group(1) not in published, \
                 f"expected host port {m.group(1)} bound once, found {name} and {published[m.group(1)]}"
             published[m.group(1)] = name
-    documented = dict.fromkeys(re.findall(r"http://localhost:(\d+)", text.split("\nname:")[0]))
+    documented = dict.fromkeys(re.findall(r"http://127\.0\.0\.1:(\d+)", text.split("\nname:")[0]))
     for port, name in [("4200", "prefect-server"), ("5000", "mlflow"), ("9000", "minio"), ("9001", "minio")]:
         assert published.get(port) == name, \
             f"expected host port {port} published by {name}, found {published.get(port)}"
-        assert port in documented, f"expected the header to give the address localhost:{port}, found {list(documented)}"
+        assert port in documented, f"expected the header to give the address 127.0.0.1:{port}, found {list(documented)}"
 
     tag = services["prefect-server"]["image"].rpartition(":")[2]
     py = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -443,3 +462,98 @@ def test_compose_stands_up_the_services():
     assert "@postgres:5432/mlflow" in mlflow_cmd and "CREATE DATABASE mlflow" in init_sql, \
         f"expected MLflow on a database `mlflow` that postgres's init script creates, " \
         f"found {mlflow_cmd!r}, {init_sql!r}"
+
+
+COMPOSE_SECRETS = {"POSTGRES_PASSWORD", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"}
+SECRET_KEY = re.compile(r"PASSWORD|SECRET|TOKEN|ACCESS_KEY|ROOT_USER", re.I)
+# `${NAME}`, `${NAME:-default}`, `${NAME-default}`, `${NAME:?message}`, ...; `$${` is compose's literal `${`.
+INTERPOLATION = re.compile(r"(?<!\$)\$\{(\w+)(?:(:?[-?+])([^}]*))?\}")
+
+
+def compose_text() -> str:
+    return (INFRA / "docker-compose.yaml").read_text()
+
+
+def test_compose_publishes_every_port_on_loopback_only():
+    """A port published without a host address listens on every interface, with the services' passwords
+    one guess away: each binding names 127.0.0.1, in the short form or the long one."""
+    services = yaml.safe_load(compose_text())["services"]
+    seen = []
+    for name, s in services.items():
+        assert s.get("network_mode") != "host", f"expected {name} on compose's network, found network_mode: host"
+        for binding in s.get("ports", []):
+            host_ip = binding.get("host_ip") if isinstance(binding, dict) else str(binding).rsplit(":", 2)[0]
+            assert str(binding).count(":") == 2 or isinstance(binding, dict), \
+                f"expected {name}'s port as 127.0.0.1:HOST:CONTAINER, found {binding!r}"
+            assert host_ip == "127.0.0.1", f"expected {name}'s port {binding!r} bound to 127.0.0.1, found {host_ip!r}"
+            seen.append(binding)
+    assert seen, "expected published ports to check, found none"
+
+
+def test_compose_credentials_come_from_the_environment_without_defaults():
+    """Compose's `${NAME:?message}` refuses to start without NAME; `${NAME:-x}` would start on a known x."""
+    text = compose_text()
+    uses = INTERPOLATION.findall(text)
+    secret_uses = [(n, op, arg) for n, op, arg in uses if SECRET_KEY.search(n)]
+    defaulted = [f"${{{n}{op}{arg}}}" for n, op, arg in secret_uses if op != ":?" or not arg.strip()]
+    assert not defaulted, f"expected every credential as ${{NAME:?message}}, found {defaulted}"
+    assert COMPOSE_SECRETS <= {n for n, _, _ in secret_uses}, \
+        f"expected {sorted(COMPOSE_SECRETS)} taken from the environment, found {sorted({n for n, _, _ in uses})}"
+
+    # No credential written out: each secret-named setting, and each password in a URL, is a required variable.
+    required = re.compile(r"\$\{(\w+):\?[^}]+\}")
+    doc = yaml.safe_load(text)
+    url_passwords = []
+    for name, s in doc["services"].items():
+        env = s.get("environment") or {}
+        assert isinstance(env, dict), f"expected {name}'s environment as a mapping, found {env!r}"
+        for key, value in env.items():
+            if SECRET_KEY.search(key):
+                assert required.fullmatch(str(value)), f"expected {name}'s {key} as ${{NAME:?message}}, found {value!r}"
+        for password in re.findall(r"://[\w.-]+:(\$\{[^}]*\}|[^@\s/'\"]*)@", json.dumps(s)):
+            assert required.fullmatch(password), \
+                f"expected the password in {name}'s URL as ${{NAME:?message}}, found {password!r}"
+            url_passwords.append(password)
+    assert len(url_passwords) >= 2, f"expected Prefect's and MLflow's database URLs checked, found {url_passwords}"
+    minio = doc["services"]["minio"]["environment"]
+    for key in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"):
+        m = required.fullmatch(str(minio.get(key)))
+        assert m and m.group(1) == key, f"expected MinIO's {key} as ${{{key}:?message}}, found {minio.get(key)!r}"
+    header = text.split("\nname:")[0]
+    missing = sorted(n for n in COMPOSE_SECRETS if n not in header)
+    assert not missing and "infra/.env" in header, \
+        f"expected the header to say how to set {sorted(COMPOSE_SECRETS)} (infra/.env), missing {missing}"
+
+    ignored = {ln.strip() for ln in (REPO / ".gitignore").read_text().splitlines()}
+    assert ignored & {".env", "infra/.env", "/infra/.env"}, \
+        "expected .gitignore to keep infra/.env (the credentials) out of the repository, found no such pattern"
+
+    # Where Docker Compose is installed (not on the project's machines), compose itself must agree.
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode == 0:
+        def config(**secrets: str) -> subprocess.CompletedProcess:
+            env = {**{k: v for k, v in os.environ.items() if k not in COMPOSE_SECRETS}, **secrets}
+            return subprocess.run([docker, "compose", "-f", str(INFRA / "docker-compose.yaml"), "--env-file",
+                                   os.devnull, "config", "--quiet"], capture_output=True, text=True, env=env,
+                                  check=False, timeout=60)
+
+        p = config()
+        assert p.returncode != 0 and any(n in p.stderr for n in COMPOSE_SECRETS), \
+            f"expected `docker compose config` to refuse without the credentials, found {p.returncode}: {p.stderr}"
+        p = config(**{n: "x" * 12 for n in COMPOSE_SECRETS})
+        assert p.returncode == 0, f"expected `docker compose config` to pass with them set, found {p.stderr}"
+
+
+# -- nothing that nothing uses -------------------------------------------------------------------------
+
+def test_no_ray_cluster():
+    """infra/ray-cluster.yaml described a Ray cluster that no code path used: it is gone, and so is every
+    mention of it."""
+    assert not (INFRA / "ray-cluster.yaml").exists(), "expected infra/ray-cluster.yaml removed"
+    roots = ["README.md", "Makefile", "pyproject.toml", "docs", "infra", "components", "flows", "tasks", "configs",
+             "notebooks", "tests"]
+    files = [f for r in roots for f in ([REPO / r] if (REPO / r).is_file() else (REPO / r).rglob("*"))
+             if f.is_file() and f.suffix in {"", ".md", ".py", ".yaml", ".yml", ".json", ".toml", ".ipynb"}
+             and f.resolve() != Path(__file__).resolve() and "__pycache__" not in f.parts]
+    mentions = [str(f.relative_to(REPO)) for f in files if "ray-cluster" in f.read_text(errors="replace")]
+    assert not mentions, f"expected no mention of ray-cluster, found it in {mentions}"
