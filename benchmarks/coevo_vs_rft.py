@@ -134,7 +134,7 @@ def report(workdir: Path, names: list[str]) -> dict:
     from components.plots import _save, plt
     from components.store import Store
 
-    store = Store(workdir / "coevo.duckdb")
+    store = Store(workdir / "store")
     data = {n: rows for n in names if (rows := _summary(store, n))}
     print("\n== budget and held-out greedy accuracy per round (hard = hardest level) ==")
     print(f"{'recipe':<12} {'round':>5} {'cum tokens':>11} {'all levels':>10} {'hard':>6}")

@@ -42,7 +42,7 @@ def main() -> None:
     from components.store import Store
 
     cfg = load_config(args.config, [f"workdir={args.workdir}", *args.overrides])
-    store = Store(cfg.store_path)
+    store = Store.for_config(cfg)
     for table, (n, h) in sorted(store.table_hashes(cfg.experiment).items()):
         print(f"table {table:14s} {n:7d} {h}")
     for m in store.rows("SELECT model_id, sha256 FROM models WHERE experiment_id=? ORDER BY model_id", [cfg.experiment]):

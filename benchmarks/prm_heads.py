@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     args = ap.parse_args()
 
-    store = Store(args.workdir / "coevo.duckdb")
+    store = Store(args.workdir / "store")
     found = store.query("SELECT config_json FROM experiments WHERE experiment_id=?", [args.experiment])[1]
     if not found:
         sys.exit(f"no experiment {args.experiment!r} in {store.path}")

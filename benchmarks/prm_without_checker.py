@@ -110,7 +110,7 @@ def run(workdir: Path, arms: list[str], seeds: list[int], rounds: int, parallel:
 
     cmd, env = _command("configs/arith.yaml", [f"experiment={BOOT}", "rounds=0"], workdir, BOOT)
     _run_all({BOOT: (cmd, env)}, workdir, 1)
-    boot = Store(workdir / "coevo.duckdb").committed_model(BOOT, 0, "policy")
+    boot = Store(workdir / "store").committed_model(BOOT, 0, "policy")
     start = [f"policy.model={boot['uri']}", "bootstrap.steps=0", f"rounds={rounds}", *_sampler()]
     jobs = {}
     for seed in seeds:
@@ -189,7 +189,7 @@ def report(workdir: Path, seeds: list[int]) -> dict:
     from components.plots import _save, plt
     from components.store import Store
 
-    store = Store(workdir / "coevo.duckdb")
+    store = Store(workdir / "store")
     data = {(arm, s): rows for arm in ARMS for s in seeds if (rows := _rounds(store, experiment(arm, s)))}
     print("\n== per round: cumulative tokens, held-out greedy accuracy, unsound right answers, the filter's judges ==")
     print(f"{'arm':<14} {'seed':>4} {'round':>5} {'cum tokens':>11} {'all':>6} {'hard':>6} {'unsound':>8} "

@@ -62,7 +62,7 @@ def local_run(workdir: Path, experiment: str, overrides: list[str], last_round: 
     """An experiment as local subprocesses, Prefect's ephemeral server under the workdir; skipped if done."""
     from components.store import Store
 
-    if Store(workdir / "coevo.duckdb").committed_run(experiment, last_round, "evaluate"):
+    if Store(workdir / "store").committed_run(experiment, last_round, "evaluate"):
         return
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "flows.cli", "run", "--config", "configs/arith.yaml",
@@ -93,7 +93,7 @@ def pool_arms(workdir: Path, reps: int = 3) -> dict[str, list[float]]:
             with get_client(sync_client=True) as client:
                 client.create_work_pool(WorkPoolCreate(name=POOL, type="process"), overwrite=True)
             cfg = load_config(REPO / "configs" / "arith.yaml", [*BASE, f"workdir={workdir}", f"execution.pool={POOL}"])
-            store = Store(cfg.store_path)
+            store = Store.for_config(cfg)
             for n in (1, 2):
                 while len(workers) < n:
                     name = f"bench-worker-{len(workers)}"
@@ -157,7 +157,7 @@ def same_content(workdir: Path) -> bool:
     from components.jobs.launch import content_hashes
     from components.store import Store
 
-    store = Store(workdir / "coevo.duckdb")
+    store = Store(workdir / "store")
     ok = True
     for stage in ("generate", "score"):
         runs = [r for r in store.stage_runs(EXPERIMENT) if r["round"] == 1 and r["stage"] == stage
@@ -174,7 +174,7 @@ def overhead(workdir: Path) -> dict[str, float]:
     from components.manifest import read_manifest
     from components.store import Store
 
-    store = Store(workdir / "coevo.duckdb")
+    store = Store(workdir / "store")
     runs = [r for r in store.stage_runs(DEFAULT) if r["attempt"] == 1]
     r1 = [r for r in runs if r["round"] == 1]
     end = min(r["started_at"] for r in runs if r["round"] == 2)

@@ -419,7 +419,8 @@ class ImportConfig(_Section):
 
 # Where a stage job runs, not what it computes: left out of `config_hash`, so an experiment started on a laptop
 # resumes on a cluster (and back) as the same experiment.
-PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s", "warm_workers", "storage")
+PLACEMENT = ("pool", "gpu_pool", "stage_pools", "worker_timeout_s", "heartbeat_timeout_s", "warm_workers", "storage",
+             "catalog")
 
 
 class ExecutionConfig(_Section):
@@ -449,6 +450,25 @@ class ExecutionConfig(_Section):
                                                   "null: the workdir. The DuckDB store and MLflow's SQLite stay in the "
                                                   "workdir. Credentials come from the environment, never from here "
                                                   "(components/storage.py). COEVO_STORAGE overrides it.")
+
+    catalog: str | None = Field(None, description="The store's DuckLake catalog: null, the embedded one "
+                                                  "(`<workdir>/store/catalog.sqlite`, data in `<workdir>/store/data`); "
+                                                  "`postgres:host=… port=… dbname=…` (libpq's keywords), a shared one "
+                                                  "whose data lies in `<storage>/store/` (a bucket every reader "
+                                                  "reaches). Passwords come from PGPASSWORD or ~/.pgpass, never from "
+                                                  "here. COEVO_CATALOG overrides it (components/store/lake.py).")
+
+    @field_validator("catalog")
+    @classmethod
+    def _catalog(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        if not v.startswith("postgres:"):
+            raise ValueError(f"{v!r}: expected null (the embedded store) or postgres:<libpq connection string>")
+        if "password=" in v.lower():
+            raise ValueError("postgres:…password=…: the password goes in PGPASSWORD or ~/.pgpass, never in a "
+                             "config, which the store and MLflow record")
+        return v
 
     @field_validator("storage")
     @classmethod
@@ -600,8 +620,23 @@ class ExperimentConfig(_Section):
         return join(os.environ.get("COEVO_STORAGE") or self.execution.storage or self.workdir, self.experiment)
 
     @property
-    def store_path(self) -> Path:
-        return Path(self.workdir) / "coevo.duckdb"
+    def store_path(self) -> str | Path:
+        """The store (`components.store.Store`): COEVO_CATALOG or `execution.catalog`, else `<workdir>/store`."""
+        import os
+
+        return os.environ.get("COEVO_CATALOG") or self.execution.catalog or Path(self.workdir) / "store"
+
+    @property
+    def store_data_path(self) -> str | None:
+        """Where a new shared store keeps its data files: `<storage>/store/` (the embedded one: its own folder)."""
+        import os
+
+        from components.storage import join
+
+        shared = os.environ.get("COEVO_STORAGE") or self.execution.storage
+        if not isinstance(self.store_path, str) or not shared:
+            return None
+        return join(shared, "store") + "/"
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

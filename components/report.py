@@ -3,7 +3,7 @@
     coevo report micro --workdir workdir --out micro-report.html
 
     from components.report import write_report
-    write_report(Store("workdir/coevo.duckdb"), "micro", Path("micro-report.html"))
+    write_report(Store("workdir/store"), "micro", Path("micro-report.html"))
 
 Everything comes from the store, and the plots are embedded as base64 PNG, so the file can be
 mailed or attached to a ticket and still open with every figure.

@@ -194,7 +194,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
     ),
     _table(
         "models", ("model_id",),
-        col("model_id", STR, null=False),  # <experiment>/<role>/r<round>
+        col("model_id", STR, null=False),  # <experiment>/<role>/r<round>/a<attempt>; older stores: no /a<attempt>
         col("experiment_id", STR, null=False),
         col("role", STR, null=False),  # policy | prm | orm
         col("round", INT, null=False),

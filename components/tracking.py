@@ -160,14 +160,15 @@ class Tracker:
 
     def register_model(self, name: str, model_dir: str, round: int, tags: dict[str, str],
                        score: float | None, score_tag: str = "heldout_greedy_acc",
-                       artifact_path: str = "policy") -> str | None:
+                       artifact_path: str = "policy", current: bool = True) -> str | None:
         """Log a round's checkpoint to its round run and register it as a version of `name` (once:
         a version is found again by its model_id tag, so a resumed round registers nothing twice).
 
         The version's source is the logged artifact, which a remote tracking server accepts (it
-        refuses local paths). Aliases: `current` is the newest round's version, `best` the one with
-        the highest `score` (held-out accuracy for a policy, step F1 for a PRM), kept in tag `score_tag`. MLflow reserves `latest`, and
-        `models:/<name>/latest` already resolves to the newest version.
+        refuses local paths). Each committed attempt is a version of its own (its model_id names the attempt).
+        Aliases: `current` moves here where `current` says this is the newest round's live model; `best` is
+        the version with the highest `score` (held-out accuracy for a policy, step F1 for a PRM), kept in tag
+        `score_tag`. MLflow reserves `latest`, and `models:/<name>/latest` already resolves to the newest version.
         """
         if not self.enabled or not self.cfg.tracking.register_models:
             return None
@@ -191,7 +192,8 @@ class Tracker:
                 all_tags[score_tag] = f"{score:.6f}"
             version = self.client.create_model_version(name, source=source, run_id=run_id, tags=all_tags).version
             found = self.client.search_model_versions(f"name = '{name}'")
-        self.client.set_registered_model_alias(name, "current", version)
+        if current:
+            self.client.set_registered_model_alias(name, "current", version)
         scored = [(float(v.tags[score_tag]), -int(v.version), v.version) for v in found if score_tag in v.tags]
         if scored:
             self.client.set_registered_model_alias(name, "best", max(scored)[2])

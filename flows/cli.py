@@ -109,7 +109,7 @@ def import_(
     _run_flow("import_trajectories", config_path=str(config), overrides=overrides)
     from components.store import Store
 
-    run = Store(cfg.store_path).committed_run(cfg.experiment, 0, "import")
+    run = Store.for_config(cfg).committed_run(cfg.experiment, 0, "import")
     print(f"imported into {cfg.experiment} ({cfg.store_path}): " + ", ".join(
         f"{k}={v:g}" for k, v in json.loads(run["metrics_json"] or "{}").items()))
 
@@ -259,10 +259,12 @@ def rerun(
     experiment: str,
     round: Annotated[int, typer.Option("--round", "-r")],
     stage: Annotated[str, typer.Option("--stage", "-s")],
-    downstream: Annotated[bool, typer.Option(help="Also recompute the later stages of the round.")] = False,
+    downstream: Annotated[bool, typer.Option(
+        help="Also recompute now what the rerun makes stale: the round's later stages and every later round.")] = False,
     workdir: WorkdirOpt = Path("workdir"),
 ) -> None:
-    """Rerun one stage of one round as a new attempt (the `run_stage` flow)."""
+    """Rerun one stage of one round as a new attempt (the `run_stage` flow). What was computed from the old
+    attempt (the round's later stages, every later round) turns stale; `coevo resume` or --downstream recomputes it."""
     _run_flow("run_stage", progress_bars=True, experiment=experiment, round=round, stage=stage,
               downstream=downstream, workdir=str(workdir))
     status(experiment, workdir)
@@ -274,21 +276,29 @@ def query(
     workdir: WorkdirOpt = Path("workdir"),
     format: Annotated[str, typer.Option("--format", "-f", help="table|csv|json|parquet")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write to this file.")] = None,
+    as_of: Annotated[Optional[str], typer.Option(
+        "--as-of", help="Read the store as it stood at <experiment>/r<round>[/<stage>[/a<attempt>]]: after that "
+                        "attempt's commit (the stage's live attempt; the round's last live stage).")] = None,
+    catalog: Annotated[Optional[str], typer.Option(
+        "--catalog", help="A shared store's catalog, postgres:host=… dbname=… (default: COEVO_CATALOG, else the "
+                          "workdir's store); its data path's credentials come from the environment.")] = None,
 ) -> None:
-    """Run read-only SQL against the store (views: v_round_summary, v_trajectory_scores, v_lineage, ...)."""
+    """Run one read-only statement against the store: SELECT, WITH, DESCRIBE, SHOW or EXPLAIN (views:
+    v_round_summary, v_trajectory_scores, v_lineage, ...). Nothing outside the store is reachable. It reads a
+    snapshot: a run committing meanwhile neither waits for it nor shows half a stage."""
     from components.store import StoreError
 
-    store = open_store(workdir)
+    store = open_store(workdir, catalog)
     try:
         if format == "parquet":
             import pyarrow.parquet as pq
 
             if out is None:
                 fail("--format parquet needs --out FILE", 2)
-            pq.write_table(store.query_arrow(sql), out)
+            pq.write_table(store.query_arrow(sql, as_of=as_of), out)
             console.print(f"wrote {out}")
             return
-        cols, rows = store.query(sql)
+        cols, rows = store.query(sql, as_of=as_of)
     except StoreError as e:
         fail(str(e), 2)
     if format == "table" and out is None:

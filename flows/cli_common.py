@@ -6,6 +6,7 @@ import from here, so neither imports the other's internals.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -29,10 +30,15 @@ def fail(msg: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def open_store(workdir: Path) -> Store:
-    from components.store import Store
+def open_store(workdir: Path, catalog: str | None = None) -> Store:
+    """The store a command reads: `catalog` (a shared one: postgres:…), else COEVO_CATALOG, else the
+    workdir's embedded store. A bad location exits 2, naming it."""
+    from components.store import Store, StoreError
 
-    return Store(Path(workdir) / "coevo.duckdb")
+    try:
+        return Store(catalog or os.environ.get("COEVO_CATALOG") or Path(workdir) / "store")
+    except StoreError as e:
+        fail(str(e), 2)
 
 
 def print_table(cols: Sequence[Any], rows: Iterable[Sequence[Any]], title: str | None = None, *,

@@ -10,6 +10,7 @@ is a resume.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,10 @@ def _tracker(cfg: ExperimentConfig) -> Tracker:
 
 
 def _plan_round(cfg: ExperimentConfig, store: Store, round: int) -> list[int]:
+    """The round's curriculum levels: as stored, unless a rerun of an earlier round made the round stale, when
+    they are planned again from the earlier round's evaluation as it now stands."""
     existing = store.round_plan(cfg.experiment, round)
-    if existing is not None:
+    if existing is not None and not store.stale_stages(cfg.experiment, round):
         return existing
     rates = store.level_pass_rates(cfg.experiment, round - 1)
     if not rates:
@@ -97,6 +100,7 @@ def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, roun
     rows = store.round_models(cfg.experiment, round)
     if not tracker.enabled:
         return
+    newest = store.newest_model_rounds(cfg.experiment)
     for m in rows:
         if round == 0 and m["role"] == "policy" and cfg.bootstrap.steps == 0:
             # The given model, untouched: copying (maybe GBs of) it into MLflow's artifacts adds nothing.
@@ -107,10 +111,18 @@ def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, roun
                 "coevo.lineage": f"SELECT * FROM v_lineage WHERE trained_model_id = '{m['model_id']}'"}
         score_tag, score = scores.get(m["role"], ("heldout_greedy_acc", None))
         name = f"{cfg.experiment}-{m['role']}"
+        # `current` is the newest round's live model: a rerun of an earlier round registers a version, not it.
         version = tracker.register_model(name, str(storage.fetch(m["uri"])), round, tags, score, score_tag=score_tag,
-                                         artifact_path=m["role"])
+                                         artifact_path=f"{m['role']}/a{attempt_of(m['stage_run_id'])}",
+                                         current=newest.get(m["role"]) == round)
         if version:
+            store.set_model_registration(m["model_id"], name, version, tracker.round_run(round))
             get_run_logger().info(f"registered {name} version {version} ({m['model_id']})")
+
+
+def attempt_of(stage_run_id: str) -> int:
+    """The attempt number in `<experiment>/r<round>/<stage>/a<attempt>`."""
+    return int(stage_run_id.rsplit("/a", 1)[1])
 
 
 def round_(v: Any) -> Any:
@@ -120,7 +132,7 @@ def round_(v: Any) -> Any:
 def run_round(cfg: ExperimentConfig, round: int, tracker: Tracker, only: list[str] | None = None) -> dict[str, Any]:
     """Run the round's stages in order, skipping committed ones unless an earlier stage reran."""
     logger = get_run_logger()
-    store = Store(cfg.store_path)
+    store = Store.for_config(cfg)
     version = code_version()
     if round > 0:
         _plan_round(cfg, store, round)
@@ -153,7 +165,7 @@ def evolution_round(config_path: str, round: int, overrides: list[str] | None = 
 
 
 def _register(cfg: ExperimentConfig) -> None:
-    store = Store(cfg.store_path)
+    store = Store.for_config(cfg)
     extended = store.register_experiment(cfg.experiment, cfg.model_dump_json(), cfg.config_hash(), cfg.seed,
                                          cfg.recipe, code_version(), extends=cfg.extends)
     if extended:
@@ -164,7 +176,10 @@ def _register(cfg: ExperimentConfig) -> None:
     if extended or not snapshot.exists():
         snapshot.parent.mkdir(parents=True, exist_ok=True)
         body = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        snapshot.write_text(f"# coevo resume {cfg.experiment}\n# resolved config of this experiment (overrides applied)\n{body}")
+        # Written whole or not at all: rerun and resume load it, and a half-written one would be a wrong config.
+        tmp = snapshot.with_name(f".{snapshot.name}.{os.getpid()}.tmp")
+        tmp.write_text(f"# coevo resume {cfg.experiment}\n# resolved config of this experiment (overrides applied)\n{body}")
+        os.replace(tmp, snapshot)
 
 
 @flow(name="self_evolution", log_prints=True)
@@ -174,7 +189,7 @@ def self_evolution(config_path: str, overrides: list[str] | None = None) -> list
     logger = get_run_logger()
     with ExperimentLock(cfg.experiment_dir, _flow_run_id()):
         _register(cfg)
-        n = Store(cfg.store_path).fail_dangling_runs(cfg.experiment)
+        n = Store.for_config(cfg).fail_dangling_runs(cfg.experiment)
         if n:
             logger.warning(f"marked {n} attempt(s) left running by an earlier process as failed")
         tracker = _tracker(cfg)
@@ -199,7 +214,9 @@ def import_trajectories(config_path: str, overrides: list[str] | None = None) ->
 
 @flow(name="run_stage", log_prints=True)
 def run_stage(experiment: str, round: int, stage: str, downstream: bool = False, workdir: str = "workdir") -> dict[str, Any]:
-    """Rerun one stage of a round as a new attempt; later stages become stale, or rerun with `downstream`."""
+    """Rerun one stage of a round as a new attempt. Its commit marks stale what was computed from the old one:
+    the round's later stages and every later round (`coevo status` shows them); `downstream` recomputes them
+    now, as `coevo resume` would later."""
     config_path = Path(workdir) / experiment / CONFIG_SNAPSHOT
     if not config_path.is_file():
         raise ValueError(f"unknown experiment {experiment!r}: no {config_path}")
@@ -209,16 +226,23 @@ def run_stage(experiment: str, round: int, stage: str, downstream: bool = False,
         raise ValueError(f"experiment {experiment} has rounds 0..{cfg.rounds}; round {round} does not exist")
     if stage not in stages:
         raise ValueError(f"round {round} has stages {stages}; {stage!r} is not one of them")
-    store = Store(cfg.store_path)
+    store = Store.for_config(cfg)
     if store.committed_run(experiment, round, stage) is None:
         raise ValueError(f"{experiment} round {round} stage {stage} was never committed: use `coevo resume`")
     later = stages[stages.index(stage) + 1:]
     with ExperimentLock(cfg.experiment_dir, _flow_run_id()):
         tracker = _tracker(cfg)
         summary = run_round(cfg, round, tracker, only=[stage] + (later if downstream else []))
-        if not downstream and later:
-            store.mark_stale(experiment, round, later)
-            get_run_logger().info(f"marked stale: round {round} {later}; rerun with --downstream to recompute")
+        last = max((r["round"] for r in store.stage_runs(experiment) if r["status"] == "committed"), default=round)
+        if downstream:
+            for r in range(round + 1, last + 1):
+                summary = run_round(cfg, r, tracker)
+        else:
+            stale = [(r["round"], r["stage"]) for r in store.stage_runs(experiment) if r["stale"]
+                     and r["status"] == "committed"]
+            if stale:
+                get_run_logger().info(f"{len(stale)} committed stage(s) are now stale (round {round}'s {later} and "
+                                      f"every later round): `coevo resume {experiment}` or --downstream recomputes them")
         return summary
 
 

@@ -45,7 +45,7 @@ def stage_tags(stage: str) -> set[str]:
 def _make(stage: Stage) -> Task:
     def run(cfg: ExperimentConfig, round: int, code_version: str | None = None) -> StageResult:
         pool = pool_of(cfg, stage.name)
-        return run_stage_attempt(cfg, Store(cfg.store_path), round, stage.name, code_version=code_version,
+        return run_stage_attempt(cfg, Store.for_config(cfg), round, stage.name, code_version=code_version,
                                  log=get_run_logger().info,
                                  task_run_id=str(task_run_ctx.id) if task_run_ctx.id else None,
                                  runner=PoolRunner(cfg, pool) if pool else None)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
+# A small subset of GSM8K (MIT), shipped so a fresh clone runs the GSM8K tests: how it was drawn is in its README.
+GSM8K_DATA = REPO / "tests" / "data" / "gsm8k"
 
 # No outside calls from tests: Prefect's and MLflow's telemetry, the HF Hub.
 TELEMETRY_OFF = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
@@ -53,6 +54,7 @@ def test_group(nodeid: str) -> str:
 test_group.__test__ = False  # a helper, not a test
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: `-p no:xdist` (one process) must still load this file
 def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
@@ -148,7 +150,7 @@ class MicroWorkdir:
         it saves each such run the bootstrap's ~100 s."""
         from components.store import Store
 
-        model = Store(self.path / "coevo.duckdb").committed_model("micro", 0, "policy")
+        model = Store(self.path / "store").committed_model("micro", 0, "policy")
         return [f"policy.model={model['uri']}", "bootstrap.steps=0"]
 
 
@@ -247,3 +249,66 @@ def s3_endpoint(tmp_path_factory) -> Iterable[S3Endpoint]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@dataclass
+class Postgres:
+    """A Postgres server of the test's own on 127.0.0.1 (Debian's postgresql-15), with password auth: a store's
+    shared catalog. Its password reaches a process through PGPASSWORD only."""
+
+    port: int
+    user: str
+    password: str
+
+    def catalog(self, dbname: str) -> str:
+        return f"postgres:host=127.0.0.1 port={self.port} user={self.user} dbname={dbname}"
+
+    def env(self, password: str | None = None) -> dict[str, str]:
+        return {"PGPASSWORD": password or self.password, "PGCONNECT_TIMEOUT": "5"}
+
+    def createdb(self, name: str) -> None:
+        subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, "-d", "postgres", "-v",
+                        "ON_ERROR_STOP=1", "-c", f"CREATE DATABASE {name}"], check=True, capture_output=True,
+                       env=os.environ | self.env())
+
+
+def _pg_bin() -> Path:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl"))
+    assert found, "no Postgres server (Debian's postgresql-15): `make test` installs it"
+    return found[-1].parent
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterable[Postgres]:
+    import pwd
+    import secrets
+    import socket
+
+    import shutil
+    import tempfile
+
+    bin_dir = _pg_bin()
+    # Postgres refuses to run as root: as root (CI), the server runs as Debian's `postgres` user, in a folder
+    # of its own (pytest's are private to root).
+    run_as = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    root = Path(tempfile.mkdtemp(prefix="coevo-pg-"))
+    if run_as:
+        os.chown(root, pwd.getpwnam("postgres").pw_uid, -1)
+    password = secrets.token_hex(12)
+    (root / "pw").write_text(password)
+    if run_as:
+        os.chown(root / "pw", pwd.getpwnam("postgres").pw_uid, -1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = root / "data"
+    subprocess.run([*run_as, str(bin_dir / "initdb"), "-D", str(data), "-U", "coevo", "-A", "scram-sha-256",
+                    "--pwfile", str(root / "pw")], check=True, capture_output=True)
+    subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-t", "60",
+                    "-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start"], check=True, capture_output=True)
+    try:
+        yield Postgres(port, "coevo", password)
+    finally:
+        subprocess.run([*run_as, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)

@@ -5,7 +5,7 @@ stripped from the worked solution. Files are read through `datasets.load_dataset
 `split_steps`, `extract_answer` and `verify` are pure module functions, usable by dotted path
 (`components.domains.gsm8k:verify`); the domain exposes them as methods.
 
-    d = Gsm8kDomain("../shared/data/gsm8k/train.jsonl", "../shared/data/gsm8k/test.jsonl")
+    d = Gsm8kDomain("tests/data/gsm8k/train.jsonl", "tests/data/gsm8k/test.jsonl")  # the subset shipped for tests
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from components import progress, storage
 from components.config import ExperimentConfig
@@ -27,9 +27,11 @@ from components.jobs.shards import merge_shards, published, shard_specs
 from components.jobs.spec import StageSpec
 from components.manifest import MANIFEST, ManifestError
 from components.stages import STAGES, build_spec
-from components.store import StageRunRef, Store, StoreError
+from components.recipes import get_recipe
+from components.store import StageRunRef, Store, StoreError, StoreLockedError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 
 
 class StageJobError(RuntimeError):
@@ -285,13 +287,18 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
         with lock:
             store.record_job(ref.stage_run_id, shard, try_, worker, flow_run_id, status, error, seconds)
 
+    stages = get_recipe(cfg.recipe).round_stages(round, cfg)
+    later = stages[stages.index(stage) + 1:] if stage in stages else []
     progress.stage_started(ref.stage_run_id)
     ok = False
     try:
-        manifest = store.commit(ref, execute(cfg, spec, runner=runner, log=job_log, on_job=on_job))
+        manifest_path = execute(cfg, spec, runner=runner, log=job_log, on_job=on_job)
+        # The job's output is published: a busy store delays its commit, it never throws the job away.
+        manifest = when_store_free(lambda: store.commit(ref, manifest_path, later_stages=later), log,
+                                   f"{ref.stage_run_id}: commit")
         ok = True
     except (StageJobError, ManifestError, StoreError) as e:
-        store.fail_stage_run(ref, str(e))
+        when_store_free(lambda: store.fail_stage_run(ref, str(e)), log, f"{ref.stage_run_id}: recording the failure")
         raise
     except BaseException as e:  # KeyboardInterrupt, cancellation: never leave `running` behind
         store.fail_stage_run(ref, f"interrupted: {type(e).__name__}: {e}")
@@ -302,6 +309,23 @@ def run_stage_attempt(cfg: ExperimentConfig, store: Store, round: int, stage: st
     log(f"{ref.stage_run_id}: committed in {dt:.1f}s " + ", ".join(f"{o['table']}={o['rows']}" for o in manifest.outputs))
     return StageResult(ref.stage_run_id, round, stage, attempt, out_dir, dict(manifest.metrics), dt,
                        {o["table"]: o["rows"] for o in manifest.outputs})
+
+
+# How long a finished job waits for a busy store (a reader or another writer holding it) before its commit
+# fails; each try already waits `Store.lock_timeout_s`.
+STORE_BUSY_TRIES = 10
+
+
+def when_store_free(write: Callable[[], T], log: Callable[[str], None], what: str) -> T:
+    """`write()`, tried again while the store is locked by another process: a transient fault, not a failed job."""
+    for t in range(1, STORE_BUSY_TRIES + 1):
+        try:
+            return write()
+        except StoreLockedError as e:
+            if t == STORE_BUSY_TRIES:
+                raise
+            log(f"{what}: the store is busy ({e}); trying again ({t + 1} of {STORE_BUSY_TRIES})")
+    raise AssertionError("unreachable")
 
 
 def content_hashes(out_dir: Path) -> dict[str, str]:

@@ -218,7 +218,9 @@ def reward_model_of(spec: StageSpec, name: str, uri: str | None, reference_uri: 
 
 
 def model_id(spec: StageSpec, role: str = "policy") -> str:
-    return f"{spec.experiment}/{role}/r{spec.round}"
+    """`<experiment>/<role>/r<round>/a<attempt>`: a rerun's model is a new model, and the next round's
+    `parent_model_id` names the one it was actually trained from."""
+    return f"{spec.experiment}/{role}/r{spec.round}/a{spec.attempt}"
 
 
 def model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str | None, parent: str | None,

@@ -38,7 +38,7 @@ def _run(tmp_path, **changes):
     path.write_text(yaml.safe_dump({**TOY, "workdir": str(tmp_path), **changes}))
     self_evolution(config_path=str(path))
     cfg = load_config(path)
-    return cfg, Store(cfg.store_path)
+    return cfg, Store.for_config(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from components.store import DATA_TABLES, Store, StoreError, experiment_filter
+from components.store import DATA_TABLES, Store, StoreError, content_hash_sql, experiment_filter
+from components.tables import TABLES
 from tests import conftest as shared
 from tests.conftest import REPO, coevo_cmd
 
@@ -187,7 +188,7 @@ class Run:
 
     @property
     def store(self) -> Store:
-        return Store(self.workdir / "coevo.duckdb", lock_timeout_s=60)
+        return Store(self.workdir / "store", lock_timeout_s=60)
 
     @property
     def exp_dir(self) -> Path:
@@ -233,6 +234,7 @@ class FaultRuns:
     flow_kill: dict[str, Any] | None
     reader_counts: list[tuple[int, ...]]
     reader_errors: list[str]
+    holder: dict[str, Any]  # a reader that held one transaction open through the whole `ref` run
     second_writer: dict[str, Any]
     wall_s: float
 
@@ -325,6 +327,28 @@ def _reader(run: Run, stop: threading.Event, counts: list, errors: list) -> None
         stop.wait(0.2)
 
 
+def _holder(run: Run, stop: threading.Event, out: dict) -> None:
+    """Open a reader as soon as the store exists and hold one transaction on it until `stop`, reading every
+    half second: a notebook left open beside a run. It must never fail the run, and it keeps its snapshot."""
+    store = run.store
+    out.update(counts=[], errors=[])
+    while not stop.is_set() and not store.exists():
+        stop.wait(0.05)
+    try:
+        with store.reader() as con:
+            con.execute("BEGIN TRANSACTION")
+            out["opened"] = time.monotonic()
+            while not stop.is_set():
+                out["counts"].append(con.execute(READER_SQL).fetchone())
+                stop.wait(0.5)
+            out["closed"] = time.monotonic()
+            out["after"] = tuple(con.execute(READER_SQL).fetchone())  # still the snapshot it began on
+            con.execute("COMMIT")
+        out["fresh"] = tuple(store.query(READER_SQL)[1][0])  # a new transaction sees the finished run
+    except Exception as e:  # noqa: BLE001 - anything a reader sees is a finding
+        out["errors"].append(f"{type(e).__name__}: {e}")
+
+
 def _second_writer(run: Run, base: Path, out: dict, deadline: float) -> None:
     lock = run.exp_dir / ".lock"
     first = run.procs[0]
@@ -358,22 +382,28 @@ def fault_runs(tmp_path_factory) -> FaultRuns:
     counts: list[tuple[int, ...]] = []
     errors: list[str] = []
     second: dict[str, Any] = {}
+    holder: dict[str, Any] = {}
+    hold = threading.Event()
     threads: list[threading.Thread] = []
     try:
         ref.start_run()
         seed1.start_run()
         threads = [threading.Thread(target=_reader, args=(ref, stop, counts, errors), daemon=True),
+                   threading.Thread(target=_holder, args=(ref, hold, holder), daemon=True),
                    threading.Thread(target=_second_writer, args=(ref, base, second, deadline), daemon=True)]
         for t in threads:
             t.start()
         kills, missed, flow_kill = _drive_killed(killed, deadline)
         for run in (ref, seed1):
             run.procs[-1].wait(timeout=max(1.0, deadline - time.monotonic()))
+        holder["run_ended"] = time.monotonic()
+        hold.set()
         stop.set()
         for t in threads:
             t.join(timeout=300)
     finally:
         stop.set()
+        hold.set()
         for run in (ref, killed, seed1):
             for p in run.procs:
                 if p.poll() is None:
@@ -384,10 +414,12 @@ def fault_runs(tmp_path_factory) -> FaultRuns:
         if run.procs[-1].returncode == 0:
             run.hashes = run.store.table_hashes(run.experiment)
             run.stage_runs = run.store.stage_runs(run.experiment)
-    runs = FaultRuns(ref, killed, seed1, kills, missed, flow_kill, counts, errors, second, time.monotonic() - t0)
+    runs = FaultRuns(ref, killed, seed1, kills, missed, flow_kill, counts, errors, holder, second,
+                     time.monotonic() - t0)
     (base / "fault_runs.json").write_text(json.dumps({  # for a person reading a failure
         "wall_s": {r.name: round(r.wall_s, 1) for r in (ref, killed, seed1)}, "kills": kills, "missed": missed,
         "flow_kill": flow_kill, "reader_distinct_counts": sorted(set(counts)), "reader_errors": errors,
+        "holder": {k: v for k, v in holder.items() if k != "counts"} | {"distinct": sorted(set(holder.get("counts", [])))},
         "second_writer_rc": second["result"].returncode if "result" in second else None,
     }, indent=1, default=str))
     return runs
@@ -406,22 +438,16 @@ def round_hashes(store: Store, experiment: str, round: int) -> dict[str, tuple[i
     out = {}
     for table in DATA_TABLES:
         _, desc = store.query(f"DESCRIBE {table}")
-        cols = ", ".join(r[0] for r in desc if r[0] not in ("stage_run_id", "uri"))
-        where = round_filter(table)
-        _, rows = store.query(
-            f"SELECT count(*), coalesce(md5(string_agg(CAST(row({cols}) AS VARCHAR), '|' "
-            f"ORDER BY CAST(row({cols}) AS VARCHAR))), '') FROM {table} WHERE {where}", [experiment, round])
+        _, rows = store.query(content_hash_sql(table, [r[0] for r in desc], round_filter(table)), [experiment, round])
         out[table] = (int(rows[0][0]), rows[0][1])
     return out
 
 
 def duplicate_keys(store: Store) -> dict[str, int]:
-    """Primary-key values held by more than one row, per table (empty when all keys are unique)."""
-    _, pks = store.query("SELECT table_name, constraint_column_names FROM duckdb_constraints() "
-                         "WHERE constraint_type = 'PRIMARY KEY'")
+    """Declared key values (components.tables) held by more than one row, per table (empty when all are unique)."""
     out = {}
-    for table, cols in pks:
-        key = ", ".join(cols)
+    for table, t in TABLES.items():
+        key = ", ".join(t.key)
         _, rows = store.query(f"SELECT count(*) FROM (SELECT {key} FROM {table} GROUP BY ALL HAVING count(*) > 1)")
         if rows[0][0]:
             out[table] = int(rows[0][0])

@@ -12,7 +12,8 @@ import pytest
 
 from components.config import load_config
 from components.recipes import get_recipe
-from tests.fault.conftest import KILL_MARKERS, KILL_STAGES, committed, contains, duplicate_keys, rows_of
+from tests.fault.conftest import (KILL_MARKERS, KILL_STAGES, READER_TABLES, committed, contains, duplicate_keys,
+                                  rows_of)
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +102,6 @@ def test_model_checkpoints_identical(fault_runs):
 
 def test_reader_only_sees_committed_totals(fault_runs):
     """`count(*)` polled while `ref` ran: every observation is the total after some whole commit."""
-    from tests.fault.conftest import READER_TABLES
 
     ref = fault_runs.ref
     assert not fault_runs.reader_errors, fault_runs.reader_errors
@@ -118,6 +118,21 @@ def test_reader_only_sees_committed_totals(fault_runs):
     # and never went back in time
     index = [totals.index(c) for c in seen]
     assert index == sorted(index)
+
+
+def test_a_reader_held_open_through_the_whole_run_neither_fails_nor_stalls_it(fault_runs):
+    """A notebook's reader, one transaction open from the store's first commit to the run's end: the run
+    completes as fast as the reference, and the reader keeps the snapshot it opened on."""
+    h, ref = fault_runs.holder, fault_runs.ref
+    ref.assert_finished()
+    assert not h["errors"], h["errors"]
+    assert "opened" in h and h["closed"] >= h["run_ended"], "the reader was not open until the run ended"
+    assert len(h["counts"]) >= 20, f"the reader read {len(h['counts'])} times"
+    assert len(set(h["counts"])) == 1 and h["after"] == h["counts"][0], "the open reader's snapshot moved"
+    total = tuple(sum(json.loads(r["rows_json"]).get(t, 0) for r in ref.stage_runs if r["status"] == "committed"
+                      and r["rows_json"]) for t in READER_TABLES)
+    assert h["fresh"] == total and h["fresh"] != h["after"], "a new reader sees the whole finished run"
+    assert not [r for r in ref.stage_runs if r["status"] != "committed"], "no attempt failed beside the reader"
 
 
 def test_second_writer_is_refused(fault_runs):

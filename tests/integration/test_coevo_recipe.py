@@ -23,7 +23,7 @@ def coevo_run(prefect_server, micro_workdir, tmp_path_factory):
     overrides = [f"workdir={workdir}", *micro_workdir.start_from_round0()]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
-    return cfg, Store(cfg.store_path)
+    return cfg, Store.for_config(cfg)
 
 
 def _one(store: Store, sql: str, params: list | None = None):
@@ -141,21 +141,21 @@ def test_each_round_trains_a_prm_and_round_two_is_scored_by_round_ones(coevo_run
     cfg, store = coevo_run
     prms = store.rows("SELECT model_id, round, parent_model_id, train_examples FROM models "
                       "WHERE experiment_id=? AND role='prm' ORDER BY round", [cfg.experiment])
-    assert [m["model_id"] for m in prms] == ["micro-coevo/prm/r1", "micro-coevo/prm/r2"]
-    assert prms[1]["parent_model_id"] == "micro-coevo/prm/r1"   # warm start
+    assert [m["model_id"] for m in prms] == ["micro-coevo/prm/r1/a1", "micro-coevo/prm/r2/a1"]
+    assert prms[1]["parent_model_id"] == "micro-coevo/prm/r1/a1"   # warm start
     assert prms[1]["train_examples"] > prms[0]["train_examples"]  # all labels so far
     scorers = dict(store.query(
         "SELECT t.round, list(DISTINCT s.model_id ORDER BY s.model_id) FROM scores s JOIN trajectories t "
         "USING (trajectory_id) WHERE t.experiment_id=? AND t.purpose='train' AND s.scorer='prm' GROUP BY 1",
         [cfg.experiment])[1])
-    assert scorers == {2: ["micro-coevo/prm/r1"]}   # round 1 had no earlier PRM
+    assert scorers == {2: ["micro-coevo/prm/r1/a1"]}   # round 1 had no earlier PRM
     # Every scored trajectory has one score per step, plus min/last/mean.
     bad = _one(store, "SELECT count(*) FROM (SELECT s.trajectory_id, count(*) FILTER (WHERE aggregate='step') AS n "
                       "FROM scores s WHERE scorer='prm' GROUP BY 1) x JOIN (SELECT trajectory_id, count(*) AS k "
                       "FROM steps GROUP BY 1) y USING (trajectory_id) WHERE n <> k")
     assert bad == 0
     # The PRM's training data is in the lineage: new labels this round, replayed ones from round 1.
-    uses = dict(store.query("SELECT use, count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/prm/r2' "
+    uses = dict(store.query("SELECT use, count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/prm/r2/a1' "
                             "AND selection_reason IS NOT NULL GROUP BY 1")[1])
     assert uses["new"] > 0 and uses["replay"] > 0
     # train_reward.demos: the round-0 gold solutions train each PRM too, every one of them at most once.
@@ -164,7 +164,7 @@ def test_each_round_trains_a_prm_and_round_two_is_scored_by_round_ones(coevo_run
         "WHERE t.experiment_id=? AND t.purpose='demo' AND mi.source_round=0 GROUP BY 1", [cfg.experiment])[1])
     n_demos = _one(store, "SELECT count(DISTINCT (prompt, completion)) FROM trajectories WHERE experiment_id=? "
                           "AND purpose='demo'", [cfg.experiment])
-    assert 0 < demos["micro-coevo/prm/r1"] <= n_demos and 0 < demos["micro-coevo/prm/r2"] <= n_demos
+    assert 0 < demos["micro-coevo/prm/r1/a1"] <= n_demos and 0 < demos["micro-coevo/prm/r2/a1"] <= n_demos
 
 
 def test_selections_rank_by_prm_and_pair_for_dpo(coevo_run):
@@ -190,7 +190,7 @@ def test_selections_rank_by_prm_and_pair_for_dpo(coevo_run):
         WHERE s.experiment_id=? AND s.purpose LIKE 'dpo_%' GROUP BY 1""", [cfg.experiment])[1]
     assert pairs and all(ok and n_prob == 1 and n == 2 for _, ok, n_prob, n in pairs)
     # The rejected sides trained the policy too, and say so in the lineage.
-    assert _one(store, "SELECT count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/policy/r2' "
+    assert _one(store, "SELECT count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/policy/r2/a1' "
                        "AND use='dpo_rejected' AND selection_reason = 'incorrect, worst reward'") > 0
 
 
@@ -247,7 +247,7 @@ def test_step_pairs_from_the_search_train_the_policy_by_dpo(coevo_run):
     selected = dict(store.query("SELECT round, count(*) FROM selections WHERE experiment_id=? AND purpose='step_dpo' "
                                 "AND selected GROUP BY 1", [cfg.experiment])[1])
     assert selected == {r: sum(p["round"] == r for p in pairs) for r in (1, 2)}
-    assert _one(store, "SELECT count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/policy/r1' "
+    assert _one(store, "SELECT count(*) FROM v_lineage WHERE trained_model_id='micro-coevo/policy/r1/a1' "
                        "AND use='step_dpo_rejected'") > 0
     import json
 
@@ -290,8 +290,8 @@ def test_prm_versions_are_registered_with_round_and_lineage(coevo_run):
     versions = {int(v.tags["coevo.round"]): v for v in client.search_model_versions("name = 'micro-coevo-prm'")}
     assert sorted(versions) == [1, 2]
     for r, v in versions.items():
-        assert v.tags["coevo.model_id"] == f"micro-coevo/prm/r{r}"
-        assert v.tags["coevo.lineage"] == f"SELECT * FROM v_lineage WHERE trained_model_id = 'micro-coevo/prm/r{r}'"
+        assert v.tags["coevo.model_id"] == f"micro-coevo/prm/r{r}/a1"
+        assert v.tags["coevo.lineage"] == f"SELECT * FROM v_lineage WHERE trained_model_id = 'micro-coevo/prm/r{r}/a1'"
         assert "heldout_prm_step_f1" in v.tags
         assert "prm/model.safetensors" in {a.path for a in client.list_artifacts(v.run_id, "prm")}
     assert client.get_model_version_by_alias("micro-coevo-prm", "current").version == versions[2].version
@@ -304,7 +304,7 @@ def test_round_zero_is_the_given_model_as_it_is(coevo_run, micro_workdir):
     """`policy.model` with `bootstrap.steps: 0`: round 0's policy is micro's checkpoint where it lies, not
     retrained or re-saved, and not copied into MLflow; the demonstrations are still stored for replay."""
     cfg, store = coevo_run
-    given = Store(micro_workdir.path / "coevo.duckdb").committed_model("micro", 0, "policy")
+    given = Store(micro_workdir.path / "store").committed_model("micro", 0, "policy")
     mine = store.committed_model(cfg.experiment, 0, "policy")
     assert mine["uri"] == given["uri"] == cfg.policy.model and mine["sha256"] == given["sha256"]
     out = cfg.experiment_dir / "r0" / "bootstrap" / "a1"

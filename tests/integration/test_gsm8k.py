@@ -15,18 +15,18 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO, SHARED, run_coevo
+from tests.conftest import GSM8K_DATA as GSM8K
+from tests.conftest import REPO, run_coevo
 
 pytestmark = pytest.mark.slow
 
-GSM8K = SHARED / "data" / "gsm8k"
 
 
 @pytest.fixture(scope="module")
 def gsm8k_run(prefect_server, tmp_path_factory):
     from flows.evolution import self_evolution
 
-    assert GSM8K.is_dir(), f"{GSM8K}: the shared GSM8K data is missing (CI has it)"
+    assert GSM8K.is_dir(), f"{GSM8K}: the GSM8K subset that ships with the repo is missing"
     w = tmp_path_factory.mktemp("gsm8k")
     config = REPO / "configs" / "gsm8k.yaml"
     data = [f"domain.options.train_path={GSM8K / 'train.jsonl'}", f"domain.options.test_path={GSM8K / 'test.jsonl'}"]
@@ -36,7 +36,7 @@ def gsm8k_run(prefect_server, tmp_path_factory):
     overrides = [f"workdir={w}", f"policy.model={model}", *data]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
-    return cfg, Store(cfg.store_path)
+    return cfg, Store.for_config(cfg)
 
 
 def _safetensors_dtypes(model_dir: Path) -> set[str]:

@@ -24,7 +24,7 @@ def implicit_run(prefect_server, micro_workdir, tmp_path_factory):
                  "score.reward_model=implicit", "evaluate.best_of_n=[4]"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
-    return cfg, Store(cfg.store_path)
+    return cfg, Store.for_config(cfg)
 
 
 def _models(store: Store, exp: str) -> dict[int, dict]:

@@ -1,4 +1,4 @@
-"""`coevo import` as a user runs it: GSM8K's real model solutions (4 models x 1,319 test questions, each with
+"""`coevo import` as a user runs it: GSM8K's real model solutions (4 models x 65 test questions, each with
 `is_correct`) into the store through the `import_trajectories` flow, re-verified, with their lineage.
 
     .venv/bin/python -m pytest tests/integration/test_import.py -q
@@ -12,17 +12,18 @@ import pytest
 import yaml
 
 from components.store import Store
-from tests.conftest import SHARED, run_coevo
+from tests.conftest import GSM8K_DATA as GSM8K
+from tests.conftest import run_coevo
 
 pytestmark = pytest.mark.slow
 
-GSM8K = SHARED / "data" / "gsm8k"
 MODELS = ["6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification"]
+QUESTIONS = 65  # rows of tests/data/gsm8k/example_model_solutions.jsonl, one a test question
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    assert GSM8K.is_dir(), f"{GSM8K}: the shared GSM8K data is missing (CI has it)"
+    assert GSM8K.is_dir(), f"{GSM8K}: the GSM8K subset that ships with the repo is missing"
     w = tmp_path_factory.mktemp("import")
     (w / "gsm8k.yaml").write_text(yaml.safe_dump({
         "experiment": "unused", "workdir": str(w),
@@ -41,17 +42,17 @@ def imported(workdir):
     p = _import(workdir, GSM8K / "example_model_solutions.jsonl", "solutions", "--models", ",".join(MODELS),
                 "--purpose", "eval")
     assert p.returncode == 0, p.stdout + p.stderr
-    return p, Store(workdir / "coevo.duckdb")
+    return p, Store(workdir / "store")
 
 
 def test_every_solution_is_stored_with_its_lineage(imported):
     p, store = imported
     assert store.rows("SELECT count(*) AS n FROM trajectories WHERE experiment_id='solutions' AND purpose='eval'"
-                      )[0]["n"] == 4 * 1319
+                      )[0]["n"] == 4 * QUESTIONS
     src = store.rows("SELECT source_model, count(*) AS n, min(source_row) AS lo, max(source_row) AS hi, "
                      "count(DISTINCT trajectory_id) AS ids FROM trajectory_sources GROUP BY 1 ORDER BY 1")
     assert [r["source_model"] for r in src] == sorted(MODELS)
-    assert all((r["n"], r["lo"], r["hi"], r["ids"]) == (1319, 1, 1319, 1319) for r in src)
+    assert all((r["n"], r["lo"], r["hi"], r["ids"]) == (QUESTIONS, 1, QUESTIONS, QUESTIONS) for r in src)
     # Row 1 of the file is Janet's ducks; its 175b_verification solution is right, and says so.
     first = store.rows("SELECT t.prompt, t.completion, s.given_correct, s.original_completion, v.correct "
                        "FROM trajectory_sources s JOIN trajectories t USING (trajectory_id) "
@@ -74,13 +75,13 @@ def test_the_verifier_agrees_with_the_given_labels(imported):
     given = {r["m"]: r["given"] for r in by_model}
     assert given["175b_verification"] > given["175b_finetuning"] > given["6b_finetuning"]
     metrics = json.loads(store.committed_run("solutions", 0, "import")["metrics_json"])
-    assert metrics["imported"] == 4 * 1319 and metrics["agreement"] >= 0.97
+    assert metrics["imported"] == 4 * QUESTIONS and metrics["agreement"] >= 0.97
 
 
 def test_test_problems_are_refused_for_training(workdir):
     p = _import(workdir, GSM8K / "example_model_solutions.jsonl", "leak", "--models", "6b_finetuning")
     assert p.returncode != 0 and "held-out" in p.stderr + p.stdout and "purpose: eval" in p.stderr + p.stdout
-    assert Store(workdir / "coevo.duckdb").committed_run("leak", 0, "import") is None
+    assert Store(workdir / "store").committed_run("leak", 0, "import") is None
 
 
 def test_a_problem_not_in_the_dataset_names_its_row(workdir):
@@ -94,7 +95,7 @@ def test_a_problem_not_in_the_dataset_names_its_row(workdir):
     p = _import(workdir, bad, "bad", "--correct-field", "correct", "--purpose", "eval")
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode != 0 and "bad.jsonl row 2" in out and "Neptune" in out, out[-2000:]
-    assert Store(workdir / "coevo.duckdb").committed_run("bad", 0, "import") is None
+    assert Store(workdir / "store").committed_run("bad", 0, "import") is None
 
 
 # -- imports inside a training experiment: round 0 runs `import`, the PRM, ORM and policy train on them ------
@@ -150,7 +151,7 @@ def trained_on_imports(prefect_server, tmp_path_factory):
     path.write_text(yaml.safe_dump(config))
     self_evolution(config_path=str(path))
     cfg = load_config(path)
-    return cfg, Store(cfg.store_path)
+    return cfg, Store.for_config(cfg)
 
 
 def test_round_zero_imports_after_the_bootstrap(trained_on_imports):
@@ -169,9 +170,9 @@ def test_the_reward_models_and_the_policy_train_on_the_imports(trained_on_import
         "GROUP BY 1")[1])
     # The PRM: every imported trajectory with its given step labels; the ORM: all 10 verdicts; the policy:
     # the 5 verified-correct ones, replayed (replay_ratio covers the whole round-0 pool).
-    assert uses.get(f"{cfg.experiment}/prm/r1") == 10 and uses.get(f"{cfg.experiment}/orm/r1") == 10
+    assert uses.get(f"{cfg.experiment}/prm/r1/a1") == 10 and uses.get(f"{cfg.experiment}/orm/r1/a1") == 10
     spec = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["spec_json"])
     assert any(i["stage"] == "import" and i["round"] == 0 for i in spec["inputs"])
-    n_policy = uses.get(f"{cfg.experiment}/policy/r1", 0)
+    n_policy = uses.get(f"{cfg.experiment}/policy/r1/a1", 0)
     tp = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])
     assert n_policy == (5 if tp["examples"] else 0)

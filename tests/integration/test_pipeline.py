@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def micro_run(micro_workdir):
     """configs/micro.yaml as shipped, run once per session by the shared `micro_workdir` fixture."""
     cfg = load_config(micro_workdir.config, micro_workdir.overrides("micro"))
-    return cfg, Store(cfg.store_path), micro_workdir
+    return cfg, Store.for_config(cfg), micro_workdir
 
 
 def test_every_stage_committed_once(micro_run):
@@ -104,13 +104,16 @@ def test_each_round_policy_is_a_registered_version(micro_run):
     versions = {int(v.tags["coevo.round"]): v for v in client.search_model_versions("name = 'micro-policy'")}
     assert sorted(versions) == [0, 1, 2]
     uris = dict(store.query("SELECT round, uri FROM models WHERE experiment_id='micro' AND role='policy'")[1])
+    registered = {r: (n, v) for r, n, v in store.query(
+        "SELECT round, registered_name, registered_version FROM models WHERE experiment_id='micro' AND role='policy'")[1]}
+    assert registered == {r: ("micro-policy", str(v.version)) for r, v in versions.items()}
     for r, v in versions.items():
-        assert v.tags["coevo.model_id"] == f"micro/policy/r{r}"
+        assert v.tags["coevo.model_id"] == f"micro/policy/r{r}/a1"
         assert client.get_run(v.run_id).data.tags["coevo.round"] == str(r)
         assert int(v.tags["coevo.train_examples"]) > 0
         # The registered source is a copy of the committed checkpoint, logged to the round's run.
-        logged = {a.path for a in client.list_artifacts(v.run_id, "policy")}
-        assert "policy/model.safetensors" in logged
+        logged = {a.path for a in client.list_artifacts(v.run_id, "policy/a1")}
+        assert "policy/a1/model.safetensors" in logged
         assert {p.name for p in Path(uris[r]).iterdir()} == {Path(p).name for p in logged}
     acc = dict(store.query("SELECT round, greedy_acc FROM v_round_summary WHERE experiment_id='micro'")[1])
     assert client.get_model_version_by_alias("micro-policy", "current").version == versions[2].version
@@ -133,13 +136,13 @@ def test_lineage_names_the_exact_training_examples(micro_run):
     # Every example that trained round 2's policy is a selected trajectory, new from round 2 or replayed.
     _, rows = store.query(
         "SELECT use, count(*), count(*) FILTER (WHERE selection_reason IS NULL), min(source_round), max(source_round) "
-        "FROM v_lineage WHERE trained_model_id = ? GROUP BY 1 ORDER BY 1", [f"{cfg.experiment}/policy/r2"])
+        "FROM v_lineage WHERE trained_model_id = ? GROUP BY 1 ORDER BY 1", [f"{cfg.experiment}/policy/r2/a1"])
     by_use = {r[0]: r[1:] for r in rows}
     assert by_use["new"][0] > 0 and by_use["new"][2:] == (2, 2)
     assert by_use["replay"][0] > 0 and by_use["replay"][3] < 2
     assert all(v[1] == 0 for v in by_use.values()), "every training example has a selection decision"
     n_train = store.query("SELECT train_examples FROM models WHERE model_id = ?",
-                          [f"{cfg.experiment}/policy/r2"])[1][0][0]
+                          [f"{cfg.experiment}/policy/r2/a1"])[1][0][0]
     assert sum(v[0] for v in by_use.values()) == n_train
 
 
@@ -150,7 +153,7 @@ def test_evaluate_model_scores_any_model_path_like_the_round(micro_run, prefect_
     from flows.evolution import evaluate_model
 
     cfg, store, w = micro_run
-    model = store.query("SELECT uri FROM models WHERE model_id = ?", [f"{cfg.experiment}/policy/r2"])[1][0][0]
+    model = store.query("SELECT uri FROM models WHERE model_id = ?", [f"{cfg.experiment}/policy/r2/a1"])[1][0][0]
     overrides = [f"workdir={tmp_path}", "experiment=eval-check"]
     metrics = evaluate_model(model=model, config_path=str(w.config), overrides=overrides, name="micro-r2")
     want = dict(store.query("SELECT level, value FROM evaluations WHERE experiment_id='micro' AND round=2 "

@@ -33,7 +33,7 @@ def standin_run(prefect_server, tmp_path_factory):
                  "policy.prompt_format=chat"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
-    return cfg, Store(cfg.store_path), model
+    return cfg, Store.for_config(cfg), model
 
 
 def test_the_bootstrap_learns_the_demonstrated_levels_through_chat_and_bpe(standin_run):

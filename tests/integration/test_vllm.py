@@ -57,7 +57,7 @@ def hf_run(prefect_server, tmp_path_factory):
     wd = tmp_path_factory.mktemp("vllm")
     self_evolution(config_path=str(CONFIG), overrides=[f"workdir={wd}", "experiment=hf", "bootstrap.steps=250",
                                                        *ROUND1])
-    store = Store(wd / "coevo.duckdb")
+    store = Store(wd / "store")
     return wd, store.committed_model("hf", 0, "policy")["uri"]
 
 
@@ -116,7 +116,7 @@ def test_the_micro_configs_sampling_stages_commit_through_vllm_what_they_commit_
     wd, model = hf_run
     self_evolution(config_path=str(CONFIG), overrides=[f"workdir={wd}", "experiment=vllm", "generate.backend=vllm",
                                                        f"policy.model={model}", "bootstrap.steps=0", *ROUND1])
-    store = Store(wd / "coevo.duckdb")
+    store = Store(wd / "store")
     tables = {"generate": ("problems", "trajectories", "steps"), "verify": ("verifications",),
               "score": ("scores", "step_labels"),
               "evaluate": ("problems", "trajectories", "steps", "verifications", "evaluations")}
@@ -178,7 +178,7 @@ def test_the_openai_backend_runs_generate_and_evaluate_against_vllm_serve(vllm_p
         # Round 1's generate alone: its policy is round 0's, the one served (the trained round-1 policy is
         # not). Its curriculum is planned as the flow plans it, from round 0's evaluation.
         cfg = load_config(CONFIG, [*over[:-2], "rounds=1", over[-1]])
-        store = Store(wd / "coevo.duckdb")
+        store = Store(wd / "store")
         c = cfg.curriculum
         store.set_round_plan("served", 1, *pick_levels(store.level_pass_rates("served", 0), c.low, c.high,
                                                        c.max_levels))

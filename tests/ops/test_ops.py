@@ -84,7 +84,7 @@ def test_server_up_on_a_busy_port_names_the_port(tmp_path):
 
 # -- infra --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["prefect.yaml", "k8s-stage-job.yaml", "docker-compose.yaml", "ray-cluster.yaml"])
+@pytest.mark.parametrize("name", ["prefect.yaml", "k8s-stage-job.yaml", "docker-compose.yaml"])
 def test_infra_files_load(name):
     text = (REPO / "infra" / name).read_text()
     assert text.startswith("# "), "every shipped file opens with the command that uses it"
@@ -117,12 +117,10 @@ def test_infra_files_load(name):
         assert used <= declared, used - declared
         limits = manifest["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
         assert "nvidia.com/gpu" in limits
-    elif name == "docker-compose.yaml":
+    else:
         assert {"postgres", "prefect-server", "mlflow", "minio"} <= set(doc["services"])
         assert "postgresql+asyncpg://" in doc["services"]["prefect-server"]["environment"][
             "PREFECT_API_DATABASE_CONNECTION_URL"]
-    else:
-        assert doc["cluster_name"] and doc["head_start_ray_commands"]
 
 
 # -- compare, export, report on real micro runs ---------------------------------------------------
@@ -136,7 +134,7 @@ def test_compare_prints_both_experiments_matching_the_store(micro_workdir, tmp_p
     rows = list(csv.DictReader(io.StringIO(p.stdout)))
     assert rows and set(rows[0]) == {"level", "round", "micro", "micro-b", "delta"}
     got = {(r["round"]): (float(r["micro"]), float(r["micro-b"])) for r in rows if r["level"] == "all"}
-    _, summary = Store(micro_workdir.path / "coevo.duckdb").query(
+    _, summary = Store(micro_workdir.path / "store").query(
         "SELECT experiment_id, round, greedy_acc FROM v_round_summary ORDER BY 1, 2")
     want: dict[str, list] = {}
     for exp, rnd, acc in summary:
@@ -168,7 +166,7 @@ def test_export_parquet_and_hf(micro_workdir, tmp_path):
     from datasets import load_from_disk
 
     w = str(micro_workdir.path)
-    store = Store(micro_workdir.path / "coevo.duckdb")
+    store = Store(micro_workdir.path / "store")
     n_traj = store.query("SELECT count(*) FROM trajectories WHERE experiment_id = 'micro'")[1][0][0]
 
     out = tmp_path / "pq"
@@ -250,7 +248,7 @@ def test_report_is_self_contained_and_lists_every_round(micro_workdir, tmp_path)
     assert "http://" not in text and "https://" not in text, "no external resources"
     rounds = parser.tables["rounds"]
     assert rounds[0][0] == "round" and [r[0] for r in rounds[1:]] == ["0", "1", "2"]
-    accs = Store(micro_workdir.path / "coevo.duckdb").query(
+    accs = Store(micro_workdir.path / "store").query(
         "SELECT round, greedy_acc FROM v_round_summary WHERE experiment_id='micro' ORDER BY 1")[1]
     col = rounds[0].index("greedy_acc")
     assert [float(r[col]) for r in rounds[1:]] == [pytest.approx(a, abs=5e-5) for _, a in accs]

@@ -102,7 +102,7 @@ def test_missing_model_path(tmp_path):
 def test_query_refuses_writes(tmp_path):
     from components.store import Store
 
-    Store(tmp_path / "wd" / "coevo.duckdb").init()
+    Store(tmp_path / "wd" / "store").init()
     r = coevo("query", "DELETE FROM trajectories", "--workdir", str(tmp_path / "wd"), cwd=tmp_path)
     assert r.returncode == 2
     assert "read-only" in r.stderr and "DELETE" in r.stderr

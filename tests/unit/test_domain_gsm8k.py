@@ -1,4 +1,4 @@
-"""Unit tests for the `gsm8k` domain on the real local files in ../shared/data/gsm8k.
+"""Unit tests for the `gsm8k` domain on real GSM8K rows: the subset shipped in tests/data/gsm8k.
 
     .venv/bin/python -m pytest tests/unit/test_domain_gsm8k.py -q
 """
@@ -13,8 +13,9 @@ import pytest
 
 from components.domains import Domain, get_domain
 from components.domains.gsm8k import Gsm8kDomain, extract_answer, split_steps, verify
+from tests.conftest import GSM8K_DATA as DATA
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"  # ../shared next to the repo
+TEST_ROWS = 65  # tests/data/gsm8k/test.jsonl: 8 a level, plus 9 rows with a cut-off model solution (its README)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_first_train_problem_exact(gsm8k):
 
 def test_levels_and_sizes(gsm8k):
     assert gsm8k.levels() == [2, 3, 4, 5, 6, 7, 8]  # every GSM8K solution has at least two lines of work
-    assert sum(len(gsm8k.test_set(lv)) for lv in gsm8k.levels()) == 1319
+    assert sum(len(gsm8k.test_set(lv)) for lv in gsm8k.levels()) == TEST_ROWS
     assert isinstance(gsm8k, Domain) and gsm8k.name == "gsm8k"
 
 
@@ -168,7 +169,8 @@ def test_oracle_is_none(gsm8k):
 
 
 def test_agrees_with_labelled_model_solutions(gsm8k):
-    """Real model solutions ('A: <n>' style, some truncated) with human is_correct labels; measured 5276/5276."""
+    """Real model solutions ('A: <n>' style, 11 truncated) with human is_correct labels; measured 5276/5276 on
+    the full file."""
     answers = {p.prompt: p.answer for lv in gsm8k.levels() for p in gsm8k.test_set(lv)}
     completions, refs, labels = [], [], []
     for line in (DATA / "example_model_solutions.jsonl").read_text().splitlines():
@@ -179,5 +181,5 @@ def test_agrees_with_labelled_model_solutions(gsm8k):
             labels.append(row[key]["is_correct"])
     got = gsm8k.verify(completions, refs)
     agree = sum((g == 1.0) == lab for g, lab in zip(got, labels))
-    assert len(labels) == 5276
+    assert len(labels) == 4 * TEST_ROWS
     assert agree / len(labels) >= 0.95, f"{agree}/{len(labels)} agree"

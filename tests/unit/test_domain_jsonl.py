@@ -1,5 +1,5 @@
 """Unit tests for the `jsonl` domain and its answer checkers, on real files written to tmp_path and
-on the real GSM8K files in ../shared/data/gsm8k.
+on real GSM8K rows (the subset shipped in tests/data/gsm8k).
 
     .venv/bin/python -m pytest -q tests/unit/test_domain_jsonl.py components/domains/jsonl.py components/domains/checkers.py
 """
@@ -16,8 +16,9 @@ import pytest
 from components.domains import Domain, get_domain
 from components.domains.checkers import CHECKERS, get_checker, math_equal, math_parse_reference
 from components.domains.jsonl import JsonlDomain
+from tests.conftest import GSM8K_DATA as GSM8K
 
-GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"  # ../shared next to the repo
+GSM8K_TRAIN, GSM8K_TEST = 600, 65  # rows in tests/data/gsm8k (its README says which)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -36,16 +37,16 @@ def arith_rows(n: int, offset: int = 0) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def gsm8k() -> JsonlDomain:
-    assert GSM8K.exists(), f"{GSM8K} is absent: it ships in ../shared next to the repo (CI has it)"
+    assert GSM8K.is_dir(), f"{GSM8K} is absent: it ships with the repo, in tests/data/gsm8k"
     return get_domain("jsonl", train=str(GSM8K / "train.jsonl"), test=str(GSM8K / "test.jsonl"), answer_field="answer")
 
 
 def test_gsm8k_sizes_and_levels_from_solution_length(gsm8k):
     assert isinstance(gsm8k, Domain) and gsm8k.name == "jsonl"
     assert gsm8k.levels() == [2, 3, 4, 5, 6, 7, 8]  # every GSM8K solution has at least two lines of work
-    assert sum(len(gsm8k.test_set(lv)) for lv in gsm8k.levels()) == 1319
+    assert sum(len(gsm8k.test_set(lv)) for lv in gsm8k.levels()) == GSM8K_TEST
     train = [p for lv in gsm8k.levels() for p in gsm8k.sample_problems(lv, 10**4, seed=0)]
-    assert len({p.problem_id for p in train}) == 7473
+    assert len({p.problem_id for p in train}) == GSM8K_TRAIN
     natalia = next(p for p in train if p.prompt.startswith("Natalia sold clips"))
     assert natalia.answer == "72" and natalia.level == 2 and natalia.prompt.endswith("May?\n")
     assert gsm8k.reference_solution(natalia).endswith("altogether in April and May.\n#### 72\n")

@@ -1,5 +1,5 @@
 """Unit tests for importing existing trajectories (`components.importing`), on the real `arith` domain
-and on GSM8K's released model solutions with the real `gsm8k` domain.
+and on GSM8K's released model solutions (the subset in tests/data/gsm8k) with the real `gsm8k` domain.
 
     .venv/bin/python -m pytest tests/unit/test_importing.py -q
 """
@@ -14,10 +14,12 @@ import pytest
 from components.domains import get_domain
 from components.importing import ImportSpec, match_and_verify, read_trajectories
 from components.tables import to_table
+from tests.conftest import GSM8K_DATA as DATA
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
 GSM8K_MODELS = ["6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification"]
-GSM8K_MIN_AGREEMENT = 0.97  # measured 1.000 overall and for each of the four models (5276 of 5276)
+GSM8K_MIN_AGREEMENT = 0.97  # measured 1.000 overall and for each of the four models (5276 of 5276, full file)
+GSM8K_QUESTIONS = 65  # tests/data/gsm8k/example_model_solutions.jsonl: one row a test question
+GSM8K_CUT_OFF = 11  # solutions there with no answer line (all 11 of the full file's, kept on purpose)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -210,7 +212,7 @@ def test_step_labels_become_step_label_rows(arith, tmp_path):
 
 @pytest.fixture(scope="module")
 def gsm8k():
-    assert DATA.is_dir(), f"no GSM8K data at {DATA}: it ships in ../shared next to the repo (CI has it)"
+    assert DATA.is_dir(), f"no GSM8K data at {DATA}: it ships with the repo, in tests/data/gsm8k"
     from components.domains.gsm8k import Gsm8kDomain
 
     return Gsm8kDomain(DATA / "train.jsonl", DATA / "test.jsonl")
@@ -218,16 +220,17 @@ def gsm8k():
 
 def test_gsm8k_example_model_solutions(gsm8k):
     trajs = read_trajectories(DATA / "example_model_solutions.jsonl", ImportSpec(models=GSM8K_MODELS))
-    assert len(trajs) == 4 * 1319 == 5276
+    n = 4 * GSM8K_QUESTIONS
+    assert len(trajs) == n
     r = match_and_verify(trajs, gsm8k, "exp", 1)  # raises if any question is not in the dataset
     print("\n" + r.summary())
 
-    assert len(r.trajectories) == 5276 and len(r.problems) == 1319 and r.by_split == {"test": 5276}
-    assert len({t["trajectory_id"] for t in r.trajectories}) == 5276
-    assert r.overall.labelled == 5276 and r.overall.rate >= GSM8K_MIN_AGREEMENT
+    assert len(r.trajectories) == n and len(r.problems) == GSM8K_QUESTIONS and r.by_split == {"test": n}
+    assert len({t["trajectory_id"] for t in r.trajectories}) == n
+    assert r.overall.labelled == n and r.overall.rate >= GSM8K_MIN_AGREEMENT
     assert set(r.by_model) == set(GSM8K_MODELS)
     for model, a in r.by_model.items():
-        assert a.imported == 1319 and a.rate >= GSM8K_MIN_AGREEMENT, model
+        assert a.imported == GSM8K_QUESTIONS and a.rate >= GSM8K_MIN_AGREEMENT, model
     # Normalised to the dataset's format: annotations gone, the 'A:' line now the '####' answer step,
     # and the file's text kept in the lineage.
     tid = r.trajectories[0]["trajectory_id"]
@@ -238,6 +241,6 @@ def test_gsm8k_example_model_solutions(gsm8k):
     assert r.lineage[0]["original_completion"].endswith("$<<13*2=26>>26\nA: 26")
     assert r.lineage[0]["source_row"] == 1 and r.lineage[0]["source_model"] == "6b_finetuning"
     ends = sum(t["completion"].rstrip().splitlines()[-1].startswith("#### ") for t in r.trajectories)
-    assert ends >= 5200  # all but the truncated ones (11) end in an answer line
+    assert ends == n - GSM8K_CUT_OFF  # all but the truncated ones end in an answer line
     assert not any("<<" in t["completion"] and ">>" in t["completion"] for t in r.trajectories)
     assert_store_rows(r)

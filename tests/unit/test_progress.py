@@ -82,7 +82,7 @@ class FakeStore:
     def start_stage_run(self, *a):
         pass
 
-    def commit(self, ref, manifest_path):
+    def commit(self, ref, manifest_path, later_stages=()):
         if self.commit_error:
             raise self.commit_error
         return SimpleNamespace(outputs=[{"table": "trajectories", "rows": 4}], metrics={"n": 4.0})
@@ -109,7 +109,7 @@ def _attempt(monkeypatch, tmp_path, store, job_lines, job_error=None):
     monkeypatch.setattr(launch, "run_job", fake_job)
     logged: list[str] = []
     rec = Recorder()
-    cfg = SimpleNamespace(experiment="e", stage_timeout_s=60, generate=SimpleNamespace(backend="hf"),
+    cfg = SimpleNamespace(experiment="e", recipe="rft", imports=[], stage_timeout_s=60, generate=SimpleNamespace(backend="hf"),
                           execution=SimpleNamespace(shards=1), storage_dir=str(tmp_path))
     with installed(rec):
         try:

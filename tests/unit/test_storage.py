@@ -62,7 +62,7 @@ def test_a_stage_reads_its_model_from_the_bucket_and_the_flow_ingests_from_it(s3
 
     prefix = f"s3://{s3.bucket}/runs"
     cfg = load_config(MICRO, [f"workdir={tmp_path / 'w'}", f"execution.storage={prefix}", *SMALL])
-    store = Store(cfg.store_path)
+    store = Store.for_config(cfg)
     boot = run_stage_attempt(cfg, store, 0, "bootstrap", code_version=None, log=lambda _: None)
     assert boot.out_dir == f"{prefix}/micro/r0/bootstrap/a1"
     model = store.committed_model("micro", 0)
@@ -92,7 +92,7 @@ def test_refused_or_missing_credentials_fail_before_anything_is_recorded(s3, tmp
     storage._fs.cache_clear()
     prefix = f"s3://{s3.bucket}/refused-{case.replace(' ', '-')}"
     cfg = load_config(MICRO, [f"workdir={tmp_path}", f"execution.storage={prefix}", *SMALL])
-    store = Store(cfg.store_path)
+    store = Store.for_config(cfg)
     with pytest.raises(StorageError, match=rf"{prefix}/micro.*credentials.*AWS_ACCESS_KEY_ID"):
         run_stage_attempt(cfg, store, 0, "bootstrap", code_version=None, log=lambda _: None)
     assert store.stage_runs("micro") == [] and not (tmp_path / "micro").exists()
@@ -108,7 +108,7 @@ def test_the_cli_names_refused_credentials_and_exits_2(s3, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     said = " ".join(r.stderr.split())  # rich wraps long lines
     assert f"writing to s3://{s3.bucket}/cli/micro: storage refused the credentials" in said, said
-    assert not (tmp_path / "coevo.duckdb").exists()
+    assert not (tmp_path / "store").exists()
 
 
 def test_credentials_in_the_storage_url_are_refused_at_load():

@@ -35,7 +35,7 @@ def _count(store: Store, sql: str) -> int:
 
 
 def test_commit_ingests_and_rerun_supersedes(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     a1 = StageRunRef("e", 1, "generate", 1)
     _start(store, a1)
     store.commit(a1, _job(tmp_path, a1, 5))
@@ -51,8 +51,59 @@ def test_commit_ingests_and_rerun_supersedes(tmp_path):
     assert store.next_attempt("e", 1, "generate") == 3
 
 
+def _commit(store: Store, tmp: Path, ref: StageRunRef, n: int = 0, later: tuple[str, ...] = ()) -> None:
+    _start(store, ref)
+    store.commit(ref, _job(tmp, ref, n), later_stages=later)
+
+
+def _stale(store: Store) -> set[str]:
+    return {r[0] for r in store.query("SELECT stage_run_id FROM stage_runs WHERE stale AND status = 'committed'")[1]}
+
+
+def test_a_rerun_marks_what_the_old_attempt_fed_stale_in_its_own_commit(tmp_path):
+    store = Store(tmp_path / "s")
+    for round, stage in [(0, "bootstrap"), (1, "generate"), (1, "verify"), (1, "evaluate"), (2, "generate")]:
+        _commit(store, tmp_path, StageRunRef("e", round, stage, 1), later=("evaluate",) if stage == "verify" else ())
+    _commit(store, tmp_path / "other", StageRunRef("other", 2, "generate", 1))
+    assert _stale(store) == set(), "a first commit supersedes nothing and marks nothing"
+    _commit(store, tmp_path, StageRunRef("e", 1, "verify", 2), later=("evaluate",))
+    # The round's later stages and every later round; not earlier stages, round 0, or another experiment.
+    assert _stale(store) == {"e/r1/evaluate/a1", "e/r2/generate/a1"}
+    assert store.stale_stages("e", 2) == ["generate"] and store.stale_stages("e", 1) == ["evaluate"]
+    # Recomputing a stale stage clears its own mark.
+    _commit(store, tmp_path, StageRunRef("e", 1, "evaluate", 2))
+    assert _stale(store) == {"e/r2/generate/a1"}
+
+
+def test_a_rerun_whose_commit_fails_marks_nothing_stale(tmp_path):
+    store = Store(tmp_path / "s")
+    _commit(store, tmp_path, StageRunRef("e", 1, "generate", 1), n=2)
+    _commit(store, tmp_path, StageRunRef("e", 2, "generate", 1), n=2)
+    a2 = StageRunRef("e", 1, "generate", 2)
+    _start(store, a2)
+    out = StageOutputWriter(tmp_path / "r1" / "generate" / "a2")
+    out.write_table("trajectories", to_table("trajectories", [_traj(0), _traj(0)]))  # a duplicate key mid-commit
+    with pytest.raises(StoreError, match="nothing committed"):
+        store.commit(a2, out.finish(Manifest("e", 1, "generate", 2, "h", 1, None, {})), later_stages=("verify",))
+    assert _stale(store) == set()
+    assert store.committed_run("e", 1, "generate")["attempt"] == 1
+
+
+def test_content_hashes_read_model_ids_without_their_attempt(tmp_path):
+    store = Store(tmp_path / "s")
+    a1 = StageRunRef("e", 1, "generate", 1)
+    _commit(store, tmp_path, a1, n=2)
+    before = store.table_hashes("e")
+    with store.writer() as con:  # the same rows, as a rerun's attempt would have sampled them
+        con.execute("UPDATE trajectories SET policy_model_id = 'e/policy/r0/a3'")
+    assert store.table_hashes("e") == before
+    with store.writer() as con:
+        con.execute("UPDATE trajectories SET policy_model_id = 'e/policy/r1/a3'")
+    assert store.table_hashes("e")["trajectories"] != before["trajectories"]
+
+
 def test_corrupt_part_commits_nothing(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     ref = StageRunRef("e", 1, "generate", 1)
     _start(store, ref)
     mpath = _job(tmp_path, ref, 4)
@@ -77,7 +128,7 @@ def test_manifest_row_count_mismatch_is_refused(tmp_path):
 
 
 def test_failed_insert_rolls_back_everything(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     a1 = StageRunRef("e", 1, "generate", 1)
     _start(store, a1)
     store.commit(a1, _job(tmp_path, a1, 2))
@@ -94,7 +145,7 @@ def test_failed_insert_rolls_back_everything(tmp_path):
 
 
 def test_query_is_read_only(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     store.init()
     for sql in ["DELETE FROM trajectories", "  insert into problems values (1)", "DROP TABLE models",
                 "CREATE TABLE x (a INT)", "ATTACH 'x.db'"]:
@@ -107,29 +158,51 @@ def test_query_is_read_only(tmp_path):
 
 
 def test_bad_sql_reports_duckdb_error_with_query(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     store.init()
     with pytest.raises(StoreError, match=r"(?s)Catalog Error.*nope.*query: SELECT \* FROM nope"):
         store.query("SELECT * FROM nope")
 
 
-def test_reader_waits_for_the_writer_then_fails_clearly(tmp_path):
-    store = Store(tmp_path / "s.duckdb", lock_timeout_s=0.5)
-    store.init()
+HOLDER = """
+import sys, time
+from components.store import Store
+with Store(sys.argv[1]).reader() as con:
+    con.execute("BEGIN TRANSACTION")
+    print(con.execute("SELECT count(*) FROM trajectories").fetchone()[0], flush=True)
+    sys.stdin.readline()  # the commit is done
+    print(con.execute("SELECT count(*) FROM trajectories").fetchone()[0], flush=True)
+    con.execute("COMMIT")
+"""
+
+
+def test_a_reader_holding_a_transaction_never_delays_a_commit_and_keeps_its_snapshot(tmp_path):
     import subprocess
     import sys
+    import time
 
-    holder = subprocess.Popen([sys.executable, "-c",
-                               f"import duckdb,time; c=duckdb.connect({str(store.path)!r}); print('x',flush=True); time.sleep(5)"],
-                              stdout=subprocess.PIPE, text=True)
+    from tests.conftest import REPO
+
+    store = Store(tmp_path / "s", lock_timeout_s=0.5)
+    a1 = StageRunRef("e", 1, "generate", 1)
+    _commit(store, tmp_path, a1, n=5)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(store.path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        holder.stdout.readline()
-        with pytest.raises(StoreError, match="locked by another process"):
-            store.query("SELECT 1")
+        assert holder.stdout.readline().strip() == "5"  # its transaction is open
+        b1 = StageRunRef("e", 2, "generate", 1)
+        _start(store, b1)
+        t0 = time.perf_counter()
+        store.commit(b1, _job(tmp_path, b1, 7))
+        took = time.perf_counter() - t0
+        assert _count(store, "SELECT count(*) FROM trajectories") == 12  # a new reader sees the commit
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "5", "the open reader keeps the snapshot it started on"
     finally:
         holder.kill()
         holder.wait()
-    assert store.query("SELECT 1")[1] == [(1,)]
+    assert took < 1.0, f"the commit waited {took:.2f}s for a reader"
 
 
 def test_attempt_dirs_are_never_overwritten(tmp_path):
@@ -140,11 +213,9 @@ def test_attempt_dirs_are_never_overwritten(tmp_path):
 
 
 def test_schema_has_the_design_tables(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     store.init()
-    con = duckdb.connect(str(store.path), read_only=True)
-    names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
-    con.close()
+    names = {r[0] for r in store.query("SELECT table_name FROM information_schema.tables")[1]}
     for t in ["experiments", "stage_runs", "problems", "trajectories", "steps", "verifications", "step_labels",
               "scores", "selections", "models", "evaluations", "v_round_summary", "v_trajectory_scores",
               "v_lineage", "v_stage_timings", "v_prm_calibration", "model_inputs"]:
@@ -152,9 +223,16 @@ def test_schema_has_the_design_tables(tmp_path):
 
 
 def test_prm_calibration_view_pairs_step_scores_with_labels(tmp_path):
-    store = Store(tmp_path / "s.duckdb")
+    store = Store(tmp_path / "s")
     store.init()
-    con = duckdb.connect(str(store.path))
+    with store.writer() as con:
+        _calibration_rows(con)
+    _, rows = store.query("SELECT step_index, score, score_bin, mc_soft, mc_hard, oracle FROM v_prm_calibration "
+                          "ORDER BY step_index")
+    assert rows == [(0, 0.93, 9, 0.75, None, 1.0), (1, 0.12, 1, 0.25, 1.0, None), (2, 1.0, 9, None, None, None)]
+
+
+def _calibration_rows(con) -> None:
     con.execute("INSERT INTO trajectories (trajectory_id, experiment_id, round, purpose, problem_id, level, "
                 "sample_index, prompt, completion, num_tokens, stage_run_id) "
                 "VALUES ('t', 'e', 1, 'train', 'p', 2, 0, '3+4-2\n', '3+4=7\n7-2=5\n#### 5\n', 12, 'x')")
@@ -163,18 +241,53 @@ def test_prm_calibration_view_pairs_step_scores_with_labels(tmp_path):
                 "('t', 'prm', 'e/prm/r0', 2, 'step', 1.0, 'x')")
     con.execute("INSERT INTO step_labels VALUES ('t', 0, 'mc_soft', 0.75, 4, 'x'), ('t', 0, 'oracle', 1, NULL, 'x'), "
                 "('t', 1, 'mc_soft', 0.25, 4, 'x'), ('t', 1, 'mc_hard', 1, 4, 'x')")
-    con.close()
-    _, rows = store.query("SELECT step_index, score, score_bin, mc_soft, mc_hard, oracle FROM v_prm_calibration "
-                          "ORDER BY step_index")
-    assert rows == [(0, 0.93, 9, 0.75, None, 1.0), (1, 0.12, 1, 0.25, 1.0, None), (2, 1.0, 9, None, None, None)]
 
 
 
-def test_a_store_from_before_the_bootstrap_stage_names_round_0s_training_bootstrap(tmp_path):
-    store = Store(tmp_path / "coevo.duckdb")
-    store.start_stage_run(StageRunRef("old", 0, "train_policy", 1), "r0/train_policy/a1", "{}", "h", 0)
-    store.start_stage_run(StageRunRef("old", 1, "train_policy", 1), "r1/train_policy/a1", "{}", "h", 0)
-    store.init()  # any write connection applies the migration
+def _legacy_store(workdir: Path) -> Path:
+    """A single-file store as coevo wrote them before the DuckLake: tables in `coevo.duckdb`, round 0's
+    training still recorded as `train_policy` (older still), and a few rows."""
+    from components.store import TABLES, VIEWS, create_table_sql
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "coevo.duckdb"
+    with duckdb.connect(str(path)) as con:
+        for t in TABLES.values():
+            con.execute(create_table_sql(t))
+        con.execute(VIEWS)
+        for round in (0, 1):
+            con.execute("INSERT INTO stage_runs (stage_run_id, experiment_id, round, stage, attempt, status) "
+                        "VALUES (?, 'old', ?, 'train_policy', 1, 'committed')", [f"old/r{round}/train_policy/a1", round])
+        _calibration_rows(con)
+    return path
+
+
+def test_a_store_of_an_older_coevo_is_read_as_it_is_then_migrated_by_the_first_writer(tmp_path):
+    legacy = _legacy_store(tmp_path)
+    store = Store(tmp_path / "store")
+    calibration = "SELECT step_index, score, mc_soft FROM v_prm_calibration ORDER BY step_index"
+    assert store.legacy == legacy
+    assert store.query("SELECT count(*) FROM trajectories")[1] == [(1,)]  # read as it is, nothing written
+    assert not store.location.exists() and legacy.is_file()
+    with pytest.raises(StoreError, match="predates snapshots"):
+        store.query("SELECT 1", as_of="old/r1")
+    with pytest.raises(StoreError, match="refused: COPY"):  # the same guard
+        store.query(f"COPY trajectories TO '{tmp_path / 'x.csv'}'")
+    before = store.query(calibration)[1]
+    store.init()  # the first writer migrates it
+    assert store.legacy is None and not legacy.exists() and legacy.with_name("coevo.duckdb.migrated").is_file()
+    assert store.query(calibration)[1] == before == [(0, 0.93, 0.75), (1, 0.12, 0.25), (2, 1.0, None)]
+    # Stores written before round 0's bootstrap was a stage of its own recorded it as round 0's train_policy.
     got = {(r["round"], r["stage"], r["stage_run_id"]) for r in store.stage_runs("old")}
     assert got == {(0, "bootstrap", "old/r0/train_policy/a1"), (1, "train_policy", "old/r1/train_policy/a1")}
     assert store.next_attempt("old", 0, "bootstrap") == 2
+
+
+def test_a_store_made_by_a_newer_coevo_is_refused(tmp_path):
+    store = Store(tmp_path / "s")
+    _commit(store, tmp_path, StageRunRef("e", 1, "generate", 1), n=2)
+    with store.writer() as con:
+        con.execute("UPDATE coevo_meta SET value = '99' WHERE key = 'schema_version'")
+    for read in (lambda s: s.query("SELECT 1"), lambda s: s.init()):
+        with pytest.raises(StoreError, match="schema version 99, made by a newer coevo"):
+            read(Store(tmp_path / "s"))

@@ -42,7 +42,7 @@ def _commit(store: Store, tmp: Path, ref: StageRunRef, tables: dict[str, list[di
 def store(tmp_path) -> Store:
     """Experiment `e`: round 0 trains a policy and evaluates it; round 1 trains policy and PRM, its
     evaluation is rerun (attempt 2 supersedes attempt 1). Experiment `d` has a round 0 policy only."""
-    s = Store(tmp_path / "s.duckdb")
+    s = Store(tmp_path / "s")
     for exp in ("e", "d"):
         s.register_experiment(exp, "{}", "h", 1, "rft", None)
     _commit(s, tmp_path, StageRunRef("e", 0, "train_policy", 1), {"models": [_model("e", 0, "policy")]}, 2.0)
@@ -62,7 +62,7 @@ def store(tmp_path) -> Store:
 
 def test_experiments_sorted_and_empty_without_a_store(store, tmp_path):
     assert store.experiments() == ["d", "e"]
-    assert Store(tmp_path / "none.duckdb").experiments() == []
+    assert Store(tmp_path / "none").experiments() == []
 
 
 def test_round_plan(store):
@@ -78,13 +78,13 @@ def test_committed_model_is_the_whole_row_of_a_committed_run(store, tmp_path):
     assert store.committed_model("e", 0, role="prm") is None
     assert store.committed_model("e", 2) is None
     # A model row whose stage run is not committed (a run still `running`) is not the round's model.
-    with duckdb.connect(str(store.path)) as con:
+    with store.writer() as con:
         con.execute("INSERT INTO models VALUES ('e/orm/r1', 'e', 'orm', 1, 'u', 's', NULL, 1, NULL, NULL, NULL, "
                     "'e/r1/train_reward/a9')")
         con.execute("INSERT INTO stage_runs (stage_run_id, experiment_id, round, stage, attempt, status) "
                     "VALUES ('e/r1/train_reward/a9', 'e', 1, 'train_reward', 9, 'running')")
     assert store.committed_model("e", 1, role="orm") is None
-    assert Store(tmp_path / "none.duckdb").committed_model("e", 1) is None
+    assert Store(tmp_path / "none").committed_model("e", 1) is None
 
 
 def test_level_pass_rates_are_the_committed_greedy_accuracy_per_level(store):
@@ -131,7 +131,7 @@ def test_round_models_one_row_per_role(store):
 
 
 def test_reads_of_a_missing_store_are_empty(tmp_path):
-    s = Store(tmp_path / "none.duckdb")
+    s = Store(tmp_path / "none")
     assert (s.round_plan("e", 1), s.level_pass_rates("e", 0), s.evaluations("e"), s.round_summary("e"),
             s.stage_timings("e", 0), s.round_models("e", 0)) == (None, {}, [], [], [], [])
     assert not s.path.exists()  # reading never creates the file
@@ -140,18 +140,16 @@ def test_reads_of_a_missing_store_are_empty(tmp_path):
 # -- one schema declaration -------------------------------------------------------------------------
 
 def test_store_tables_are_the_declared_tables(tmp_path):
-    s = Store(tmp_path / "s.duckdb")
+    s = Store(tmp_path / "s")
     s.init()
     duck = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE", "bool": "BOOLEAN",
             "timestamp[us]": "TIMESTAMP"}
-    with duckdb.connect(str(s.path), read_only=True) as con:
+    with s.reader() as con:
         for name, t in TABLES.items():
             got = [(r[0], r[1], r[2] == "YES") for r in con.execute(f"DESCRIBE {name}").fetchall()]
-            assert got == [(c.name, duck[str(c.type)], c.nullable) for c in t.columns], name
-            key = con.execute("SELECT constraint_column_names FROM duckdb_constraints() "
-                              "WHERE table_name = ? AND constraint_type = 'PRIMARY KEY'", [name]).fetchone()[0]
-            assert tuple(key) == t.key, name
-    assert SCHEMA.count("CREATE TABLE") == len(TABLES)
+            # DuckLake has no PRIMARY KEY: key columns are NOT NULL, and commits check the keys they add.
+            assert got == [(c.name, duck[str(c.type)], c.nullable and c.name not in t.key) for c in t.columns], name
+    assert SCHEMA.count("CREATE TABLE") == len(TABLES) + 1  # and coevo_meta
 
 
 def test_job_schemas_are_the_declared_columns_without_stage_run_id():
@@ -162,16 +160,24 @@ def test_job_schemas_are_the_declared_columns_without_stage_run_id():
         assert all(f.nullable for f in SCHEMAS[name])
 
 
-def test_key_column_forms_match_older_stores():
-    # A one-column key is declared on its column, a compound one after the columns (see create_table_sql).
-    assert "experiment_id VARCHAR PRIMARY KEY," in create_table_sql(TABLES["experiments"])
-    steps = create_table_sql(TABLES["steps"])
-    assert "trajectory_id VARCHAR NOT NULL," in steps and "PRIMARY KEY (trajectory_id, step_index)" in steps
+def test_commits_keep_every_declared_key_unique(tmp_path):
+    # DuckLake enforces no PRIMARY KEY: the commit checks the keys it adds, against the table and within the part.
+    from components.store import StoreError
+
+    assert "PRIMARY KEY" not in SCHEMA
+    s = Store(tmp_path / "s")
+    _commit(s, tmp_path, StageRunRef("e", 1, "evaluate", 1), {"evaluations": [_eval("e", 1, -1, "greedy_acc", 0.5)]})
+    with pytest.raises(StoreError, match=r"duplicate key \(experiment_id, round, level, metric\).*evaluations"):
+        _commit(s, tmp_path, StageRunRef("e", 1, "train_policy", 1), {"evaluations": [_eval("e", 1, -1, "greedy_acc", 0.7)]})
+    with pytest.raises(StoreError, match=r"duplicate key \(model_id\).*models"):
+        _commit(s, tmp_path, StageRunRef("e", 2, "train_policy", 1), {"models": [_model("e", 2, "policy")] * 2})
+    assert s.query("SELECT count(*) FROM evaluations")[1] == [(1,)] and s.query("SELECT count(*) FROM models")[1] == [(0,)]
+    assert s.committed_run("e", 1, "train_policy") is None and s.committed_run("e", 2, "train_policy") is None
 
 
 def test_problems_are_shared_across_attempts(tmp_path):
     # Problems carry no stage_run_id: a rerun adds new problems and keeps the ones already drawn.
-    s = Store(tmp_path / "s.duckdb")
+    s = Store(tmp_path / "s")
     _commit(s, tmp_path, StageRunRef("e", 1, "generate", 1), {"problems": [_problem(0), _problem(1)]})
     _commit(s, tmp_path, StageRunRef("e", 1, "generate", 2), {"problems": [_problem(1), _problem(2)]})
     assert [r[0] for r in s.query("SELECT problem_id FROM problems ORDER BY 1")[1]] == ["p0", "p1", "p2"]

@@ -109,7 +109,7 @@ def test_warm_and_cold_jobs_publish_the_same_bytes(tmp_path, monkeypatch):
         monkeypatch.setenv("COEVO_WARM_JOBS", mode)
         cfg = load_config(REPO / "configs" / "micro.yaml", [f"workdir={tmp_path / mode}", "bootstrap.steps=10",
                                                             "bootstrap.problems_per_level=20", "tracking.enabled=false"])
-        spec = build_spec(cfg, Store(cfg.store_path), 0, "bootstrap", 1, None)
+        spec = build_spec(cfg, Store.for_config(cfg), 0, "bootstrap", 1, None)
         lines: list[str] = []
         execute(cfg, spec, log=lines.append)
         hashes[mode] = content_hashes(Path(spec.out_dir))
