@@ -447,7 +447,7 @@ class ExecutionConfig(_Section):
                                                  "`python -m prefect.engine`, a new interpreter per flow run.")
     storage: str | None = Field(None, description="Where stage outputs, specs and checkpoints lie, as an fsspec URL "
                                                   "(s3://bucket/prefix) or a shared path that every worker mounts; "
-                                                  "null: the workdir. The DuckDB store and MLflow's SQLite stay in the "
+                                                  "null: the workdir. MLflow's SQLite and the embedded store stay in the "
                                                   "workdir. Credentials come from the environment, never from here "
                                                   "(components/storage.py). COEVO_STORAGE overrides it.")
 

@@ -3,9 +3,10 @@
     execution:
       storage: s3://coevo-runs/team-a      # or a shared filesystem path; null: the workdir
 
-The DuckDB index and MLflow's SQLite store stay in the local workdir (both need a local disk, and the
-flow is their single writer); every attempt folder, spec, heartbeat and checkpoint goes to
-`<storage>/<experiment>/r<round>/<stage>/a<attempt>/`, where a job on any worker reads and writes it.
+MLflow's SQLite store and the embedded trajectory store stay in the local workdir (a shared store is a
+Postgres catalog with its data under `<storage>/store/`: components/store/lake.py); every attempt folder,
+spec, heartbeat and checkpoint goes to `<storage>/<experiment>/r<round>/<stage>/a<attempt>/`, where a job
+on any worker reads and writes it.
 
 Code works on local paths: a URL's local mirror is `local(url)`, a folder under the cache
 (`COEVO_CACHE_DIR`, default `~/.cache/coevo/storage`) named after the URL. A job writes its attempt

@@ -7,6 +7,7 @@ manifest in one transaction or mark the attempt `failed`.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import socket
@@ -331,23 +332,26 @@ def when_store_free(write: Callable[[], T], log: Callable[[str], None], what: st
 def content_hashes(out_dir: Path) -> dict[str, str]:
     """Per-table hash of a published attempt's rows, plus each artifact's sha256.
 
-    Paths that name the attempt (a model's `uri`) are left out: they say where, not what.
+    Paths that name the attempt (a model's `uri`) are left out: they say where, not what. Model ids are read
+    without their `/a<attempt>`, as the store's content hashes read them (`components.store.content_hash_sql`).
     """
     import hashlib
     import json
+    import re
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from components.manifest import read_manifest
+    from components.store import ATTEMPT_COLUMNS
 
     m = read_manifest(out_dir / MANIFEST)
     out: dict[str, str] = {}
     for table in sorted({o["table"] for o in m.outputs}):
         data = pa.concat_tables([pq.read_table(p) for p in m.output_paths(out_dir, table)])
-        if "uri" in data.column_names:
-            data = data.drop(["uri"])
-        out[f"table:{table}"] = hashlib.sha256(json.dumps(data.to_pylist(), sort_keys=True, default=str).encode()).hexdigest()
+        rows = [{k: re.sub(r"/a[0-9]+$", "", v) if k.endswith("model_id") and isinstance(v, str) else v
+                 for k, v in row.items() if k not in ATTEMPT_COLUMNS} for row in data.to_pylist()]
+        out[f"table:{table}"] = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     for a in m.artifacts:
         out[f"artifact:{a['name']}"] = a["sha256"]
     return out
@@ -355,12 +359,16 @@ def content_hashes(out_dir: Path) -> dict[str, str]:
 
 def reproduce_stage(cfg: ExperimentConfig, store: Store, round: int, stage: str, *, code_version: str | None,
                     log: Callable[[str], None] = print) -> dict[str, tuple[str, str]]:
-    """Rerun a committed stage into a scratch attempt (never committed) and pair up content hashes."""
+    """Rerun a committed stage into a scratch attempt (never committed) and pair up content hashes. Its inputs
+    are read as the store held them when the attempt committed (its snapshot), so a later rerun upstream does
+    not change what is reproduced; an attempt committed before the store kept snapshots reads today's."""
     import shutil
 
     committed = store.committed_run(cfg.experiment, round, stage)
     if committed is None:
         raise StoreError(f"{cfg.experiment} round {round} stage {stage} has no committed attempt to reproduce")
+    with contextlib.suppress(StoreError):
+        store = store.at(committed["stage_run_id"])
     scratch = cfg.experiment_dir / "scratch" / f"r{round}" / stage / f"a{committed['attempt']}"
     for old in [scratch, *scratch.parent.glob(f"{scratch.name}.shard*")]:
         if old.is_dir():

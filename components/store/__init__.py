@@ -18,6 +18,7 @@ open the store: they read committed Parquet.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -233,6 +234,14 @@ class Store:
             raise StoreError(str(e)) from None
         self.path = self.location.root  # the embedded store's folder; None for a shared catalog
         self.lock_timeout_s = lock_timeout_s
+        self.pinned: int | None = None  # `at`: every read at this snapshot, and no writes
+
+    def at(self, point: str) -> Store:
+        """The store as it stood at `point` (`<experiment>/r<round>[/<stage>[/a<attempt>]]`, see `snapshot`):
+        every read of the view sees that snapshot, and it refuses writes."""
+        view = copy.copy(self)
+        view.pinned = self.snapshot(point)
+        return view
 
     @classmethod
     def for_config(cls, cfg) -> Store:
@@ -258,6 +267,8 @@ class Store:
     def writer(self) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-write connection with the store attached, created (or migrated) where needed. Readers never
         wait for it; hold it for one commit anyway, since every statement outside BEGIN..COMMIT is a snapshot."""
+        if self.pinned is not None:
+            raise StoreError(f"{self!r} is a view at snapshot {self.pinned}: it is read only")
         legacy = self.legacy
         if self.location.data_path is None:
             raise StoreError(f"store {self.location.describe()}: a shared catalog's writer needs the data path every "
@@ -325,7 +336,7 @@ class Store:
                                  "commits after that can be read as of")
             con = duckdb.connect(str(self.legacy), read_only=True, config=guard.locked_config())
         else:
-            snapshot = self.snapshot(as_of) if as_of is not None else None
+            snapshot = self.snapshot(as_of) if as_of is not None else self.pinned
 
             def prepare(con: duckdb.DuckDBPyConnection) -> None:
                 _check_version(_schema_version(con), self.location.describe())
@@ -739,8 +750,8 @@ def _check_new_keys(con: duckdb.DuckDBPyConnection, table: str, part: str) -> No
                                          "is already in the store or repeated in the part")
 
 
-# Columns that say which attempt wrote a row or where its files lie, not what it holds.
-ATTEMPT_COLUMNS = ("stage_run_id", "uri")
+# Columns that say which attempt wrote a row, where its files lie, or where MLflow tracks it: not what it holds.
+ATTEMPT_COLUMNS = ("stage_run_id", "uri", "mlflow_run_id", "registered_name", "registered_version")
 
 
 def content_hash_sql(table: str, columns: Sequence[str], where: str) -> str:

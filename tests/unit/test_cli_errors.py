@@ -111,6 +111,15 @@ def test_query_refuses_writes(tmp_path):
     assert "Parser Error" in r.stderr and "SELEC 1" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_query_as_of_a_point_that_names_no_commit_exits_2(tmp_path):
+    from components.store import Store
+
+    Store(tmp_path / "wd" / "store").init()
+    r = coevo("query", "SELECT 1", "--as-of", "exp/r3/generate", "--workdir", str(tmp_path / "wd"), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--as-of 'exp/r3/generate': no commit of experiment 'exp'" in " ".join(r.stderr.split()), r.stderr
+
+
 def test_query_without_store(tmp_path):
     r = coevo("query", "SELECT 1", "--workdir", str(tmp_path / "nowhere"), cwd=tmp_path)
     assert r.returncode == 2

@@ -1,6 +1,7 @@
 """The store's commit: one transaction per manifest, supersede on rerun, nothing half-written."""
 
 import json
+import re
 from pathlib import Path
 
 import duckdb
@@ -291,3 +292,32 @@ def test_a_store_made_by_a_newer_coevo_is_refused(tmp_path):
     for read in (lambda s: s.query("SELECT 1"), lambda s: s.init()):
         with pytest.raises(StoreError, match="schema version 99, made by a newer coevo"):
             read(Store(tmp_path / "s"))
+
+
+def test_as_of_reads_the_store_as_each_committed_attempt_left_it(tmp_path):
+    store = Store(tmp_path / "s")
+    count = "SELECT count(*) FROM trajectories"
+    _commit(store, tmp_path, StageRunRef("e", 1, "generate", 1), n=3)
+    _commit(store, tmp_path, StageRunRef("e", 1, "generate", 2), n=4, later=("verify",))  # a rerun: 4 replace 3
+    _commit(store, tmp_path, StageRunRef("e", 1, "verify", 1))
+    _commit(store, tmp_path, StageRunRef("e", 2, "generate", 1), n=5)
+    assert store.query(count)[1] == [(9,)]
+    assert store.query(count, as_of="e/r1")[1] == [(4,)]  # after round 1's last live stage
+    assert store.query(count, as_of="e/r1/generate")[1] == [(4,)]  # the live attempt's commit
+    assert store.query(count, as_of="e/r1/generate/a1")[1] == [(3,)]  # a superseded attempt's
+    assert store.query("SELECT status FROM stage_runs WHERE stage_run_id = 'e/r1/generate/a1'",
+                       as_of="e/r1/generate/a1")[1] == [("committed",)]  # as it stood then
+    assert store.query(count, as_of="e/r2/generate")[1] == [(9,)]
+    view = store.at("e/r1/generate/a1")  # every read of it at that snapshot: what verify-reproducible reads
+    assert view.query(count)[1] == [(3,)] and view.committed_run("e", 1, "generate")["attempt"] == 1
+    assert view.committed_run("e", 1, "verify") is None and store.committed_run("e", 1, "verify") is not None
+    with pytest.raises(StoreError, match="read only"):
+        view.fail_dangling_runs("e")
+    for point, message in [("e/r7", "e has no commit in round 7 (rounds: 1, 2)"),
+                           ("e/r1/score", "round 1 of e has no such committed attempt (committed: generate/a1, "
+                                          "generate/a2, verify/a1)"),
+                           ("e/r1/generate/a9", "no such committed attempt"),
+                           ("nope/r1", "no commit of experiment 'nope'"),
+                           ("e-round-1", "expected <experiment>/r<round>[/<stage>[/a<attempt>]]")]:
+        with pytest.raises(StoreError, match=re.escape(message)):
+            store.query(count, as_of=point)
