@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 import duckdb
 
 from components.manifest import Manifest, ManifestError, part_path, verify_manifest
-from components.store import lake
+from components.store import guard, lake
+from components.store.errors import StoreError, StoreLockedError
 from components.tables import DATA_TABLES, SCHEMAS, TABLES, Table
 
 T = TypeVar("T")
@@ -181,14 +182,6 @@ LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selecte
 AS_OF = re.compile(r"(?P<experiment>[^/]+)/r(?P<round>\d+)(?:/(?P<stage>[a-z_]+)(?:/a(?P<attempt>\d+))?)?")
 
 
-class StoreError(RuntimeError):
-    """A store operation failed; nothing was committed."""
-
-
-class StoreLockedError(StoreError):
-    pass
-
-
 @dataclass(frozen=True)
 class StageRunRef:
     experiment: str
@@ -326,8 +319,6 @@ class Store:
     def reader(self, as_of: str | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
         """A read-only connection that sees the store's tables and nothing outside them (the query guard's
         lock), at the latest snapshot or at `as_of` (see `snapshot`). Holding it open blocks no commit."""
-        from components.store import guard  # guard imports StoreError from this module
-
         if not self.exists():
             raise StoreError(f"no store at {self.location.describe()}: run an experiment first (coevo run)")
         if self.legacy is not None:  # an older coevo's file, read as it is until a writer migrates it
@@ -360,8 +351,6 @@ class Store:
     def _read(self, sql: str, params: list[Any] | None, fetch: Callable[[duckdb.DuckDBPyConnection], T],
               as_of: str | None = None) -> T:
         """`fetch` the result of one statement, passed by the query guard, on a fresh reader."""
-        from components.store import guard
-
         with self.reader(as_of) as con:
             try:
                 return guard.run(con, sql, params, fetch)

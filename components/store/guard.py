@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import duckdb
 
-from components.store import StoreError
+from components.store.errors import StoreError
 
 T = TypeVar("T")
 
