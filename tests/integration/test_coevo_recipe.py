@@ -293,7 +293,7 @@ def test_prm_versions_are_registered_with_round_and_lineage(coevo_run):
         assert v.tags["coevo.model_id"] == f"micro-coevo/prm/r{r}/a1"
         assert v.tags["coevo.lineage"] == f"SELECT * FROM v_lineage WHERE trained_model_id = 'micro-coevo/prm/r{r}/a1'"
         assert "heldout_prm_step_f1" in v.tags
-        assert "prm/model.safetensors" in {a.path for a in client.list_artifacts(v.run_id, "prm")}
+        assert "prm/a1/model.safetensors" in {a.path for a in client.list_artifacts(v.run_id, "prm/a1")}
     assert client.get_model_version_by_alias("micro-coevo-prm", "current").version == versions[2].version
     policy = client.search_model_versions("name = 'micro-coevo-policy'")
     # Round 0's policy is micro's, given as it is (bootstrap.steps=0): not copied into MLflow again.
