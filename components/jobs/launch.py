@@ -343,13 +343,13 @@ def content_hashes(out_dir: Path) -> dict[str, str]:
     import pyarrow.parquet as pq
 
     from components.manifest import read_manifest
-    from components.store import ATTEMPT_COLUMNS
+    from components.store import ATTEMPT_COLUMNS, ATTEMPT_SUFFIX
 
     m = read_manifest(out_dir / MANIFEST)
     out: dict[str, str] = {}
     for table in sorted({o["table"] for o in m.outputs}):
         data = pa.concat_tables([pq.read_table(p) for p in m.output_paths(out_dir, table)])
-        rows = [{k: re.sub(r"/a[0-9]+$", "", v) if k.endswith("model_id") and isinstance(v, str) else v
+        rows = [{k: re.sub(ATTEMPT_SUFFIX, "", v) if k.endswith("model_id") and isinstance(v, str) else v
                  for k, v in row.items() if k not in ATTEMPT_COLUMNS} for row in data.to_pylist()]
         out[f"table:{table}"] = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     for a in m.artifacts:

@@ -739,6 +739,8 @@ def _check_new_keys(con: duckdb.DuckDBPyConnection, table: str, part: str) -> No
                                          "is already in the store or repeated in the part")
 
 
+# A model id's attempt (`<exp>/<role>/r<round>/a<k>`), which content hashes read the id without.
+ATTEMPT_SUFFIX = r"/a[0-9]+$"
 # Columns that say which attempt wrote a row, where its files lie, or where MLflow tracks it: not what it holds.
 ATTEMPT_COLUMNS = ("stage_run_id", "uri", "mlflow_run_id", "registered_name", "registered_version")
 
@@ -747,7 +749,7 @@ def content_hash_sql(table: str, columns: Sequence[str], where: str) -> str:
     """`SELECT count(*), <hash>` over the table's rows that match `where`: a row's content is its columns less
     `ATTEMPT_COLUMNS`, with model ids read without their `/a<attempt>` (a rerun's model is the same content
     under a new id)."""
-    exprs = [f"regexp_replace({c}, '/a[0-9]+$', '')" if c.endswith("model_id") else c
+    exprs = [f"regexp_replace({c}, '{ATTEMPT_SUFFIX}', '')" if c.endswith("model_id") else c
              for c in columns if c not in ATTEMPT_COLUMNS]
     row = f"CAST(row({', '.join(exprs)}) AS VARCHAR)"
     return f"SELECT count(*), coalesce(md5(string_agg({row}, '|' ORDER BY {row})), '') FROM {table} WHERE {where}"

@@ -32,6 +32,8 @@ from urllib.parse import urlsplit
 
 import duckdb
 
+from components.storage import is_remote
+
 T = TypeVar("T")
 
 CATALOG_FILE = "catalog.sqlite"
@@ -91,7 +93,7 @@ class Location:
         """Whether the data may lie in a bucket: a remote data path, or a shared catalog's unknown one."""
         if self.data_path is None:
             return self.is_postgres
-        return "://" in self.data_path and not self.data_path.startswith("file://")
+        return is_remote(self.data_path)
 
     def exists(self) -> bool:
         """Whether the store has been created. A shared catalog is taken to exist: connecting says otherwise."""
