@@ -689,11 +689,12 @@ class Store:
                     "UPDATE stage_runs SET stale=true WHERE experiment_id=? AND status='committed' "
                     "AND (round > ? OR (round = ? AND list_contains(?, stage)))",
                     [ref.experiment, ref.round, ref.round, list(later_stages)])
-            for out in manifest.outputs:
+            # Anchors first: a part's rows are checked against the trajectories and models of this commit too.
+            for out in sorted(manifest.outputs, key=lambda o: o["table"] not in ANCHORS):
                 part, table = part_path(out_dir, out["path"]), out["table"]
                 select = ", ".join(SCHEMAS[table].names)
                 if "stage_run_id" in TABLES[table].names:
-                    _check_new_keys(con, table, part)
+                    _check_part(con, table, part, ref)
                     con.execute(f"INSERT INTO {table} ({select}, stage_run_id) "
                                 f"SELECT {select}, ? FROM read_parquet(?)", [ref.stage_run_id, part])
                 else:  # problems: a problem another run already drew is kept as it is
@@ -727,13 +728,58 @@ class Store:
                       [name, version, mlflow_run_id, model_id])
 
 
-def _check_new_keys(con: duckdb.DuckDBPyConnection, table: str, part: str) -> None:
-    """Refuse a part whose rows repeat a key, among themselves or against the table (DuckLake has no PRIMARY KEY)."""
+# Tables whose key is unique store-wide, checked against the whole table: every other row names one of their
+# rows, or its experiment and round, and so belongs to that round.
+ANCHORS = ("trajectories", "models")
+
+
+def _owner(table: str) -> str | None:
+    """How a row of `table` names the experiment and round it belongs to: through its model, its trajectory or
+    its own columns; None for an anchor (or a table with none of them), whose keys are checked store-wide."""
+    key = TABLES[table].key
+    if table in ANCHORS:
+        return None
+    if "model_id" in key:
+        return "models"
+    if "trajectory_id" in key:
+        return "trajectories"
+    if {"experiment_id", "round"} <= set(key):
+        return "columns"
+    return None
+
+
+def _check_part(con: duckdb.DuckDBPyConnection, table: str, part: str, ref: StageRunRef) -> None:
+    """Refuse a part whose rows are not of the attempt's own experiment and round, or repeat a key among
+    themselves or against the table (DuckLake has no PRIMARY KEY).
+
+    Each row belongs to one round: an anchor's row is its own, a step's or score's is its trajectory's, a model
+    input's is its model's, an evaluation names it. Every commit holds its rows to its own round, so a key can
+    only meet its equal in rows of that round, and the check reads only those: the files of the round's stage
+    runs, which DuckLake finds by their `stage_run_id` range without opening the others. The anchors' keys,
+    which the rest lean on, are checked against the whole table."""
     key = ", ".join(TABLES[table].key)
+    where = f"{table}: every row of {ref.stage_run_id} must belong to experiment {ref.experiment!r}, round {ref.round}"
+    owner = _owner(table)
+    if owner == "columns":
+        bad = con.execute("SELECT experiment_id, round FROM read_parquet(?) WHERE experiment_id <> ? OR round <> ? "
+                          "LIMIT 1", [part, ref.experiment, ref.round]).fetchone()
+        if bad is not None:
+            raise duckdb.ConstraintException(f"Constraint Error: {where}; a row names {bad!r}")
+    elif owner is not None:
+        col = "model_id" if owner == "models" else "trajectory_id"
+        bad = con.execute(f"SELECT p.{col} FROM read_parquet(?) AS p ANTI JOIN (SELECT {col} FROM {owner} "
+                          f"WHERE experiment_id = ? AND round = ?) AS o USING ({col}) LIMIT 1",
+                          [part, ref.experiment, ref.round]).fetchone()
+        if bad is not None:
+            raise duckdb.ConstraintException(f"Constraint Error: {where}; {col} {bad[0]!r} is not one of its "
+                                             f"{owner}")
     dup = con.execute(f"SELECT {key} FROM read_parquet(?) GROUP BY ALL HAVING count(*) > 1 LIMIT 1", [part]).fetchone()
     if dup is None:
-        dup = con.execute(f"SELECT {key} FROM {table} SEMI JOIN read_parquet(?) AS p USING ({key}) LIMIT 1",
-                          [part]).fetchone()
+        prefix = f"{ref.experiment}/r{ref.round}/"  # exactly the ids in [prefix, prefix less '/' plus '0')
+        scope, params = ("", [part]) if owner is None else (
+            " WHERE stage_run_id >= ? AND stage_run_id < ?", [part, prefix, prefix[:-1] + "0"])
+        dup = con.execute(f"SELECT {key} FROM {table} SEMI JOIN read_parquet(?) AS p USING ({key}){scope} LIMIT 1",
+                          params).fetchone()
     if dup is not None:
         raise duckdb.ConstraintException(f"Constraint Error: duplicate key ({key}) = {dup!r} in {table}: the key "
                                          "is already in the store or repeated in the part")

@@ -175,6 +175,34 @@ def test_commits_keep_every_declared_key_unique(tmp_path):
     assert s.committed_run("e", 1, "train_policy") is None and s.committed_run("e", 2, "train_policy") is None
 
 
+def test_a_commit_holds_its_rows_to_its_own_round_and_checks_keys_there(tmp_path):
+    # The key check reads only the round's own files, which is sound because every row must belong to the
+    # committing attempt's round: through its trajectory, its model or its columns. A row that does not is refused.
+    from components.store import StoreError
+
+    s = Store(tmp_path / "s")
+    traj = {"trajectory_id": "t1", "experiment_id": "e", "round": 1, "purpose": "train", "problem_id": "p0",
+            "level": 1, "policy_model_id": None, "sample_index": 0, "prompt": "1+1", "completion": "2",
+            "answer": "2", "num_tokens": 1, "finish_reason": "stop", "temperature": 1.0, "top_p": 1.0,
+            "max_new_tokens": 8, "seed": 1}
+    step = {"trajectory_id": "t1", "step_index": 0, "text": "2"}
+    _commit(s, tmp_path, StageRunRef("e", 1, "generate", 1), {"trajectories": [traj], "steps": [step]})
+    verdict = {"trajectory_id": "t1", "verifier": "exact", "verifier_version": "1", "correct": True, "reward": 1.0,
+               "detail": None}
+    with pytest.raises(StoreError, match=r"verifications: every row of e/r2/verify/a1 must belong to experiment "
+                                         r"'e', round 2; trajectory_id 't1' is not one of its trajectories"):
+        _commit(s, tmp_path, StageRunRef("e", 2, "verify", 1), {"verifications": [verdict]})
+    with pytest.raises(StoreError, match=r"model_inputs: .* model_id 'e/policy/r1' is not one of its models"):
+        _commit(s, tmp_path, StageRunRef("e", 2, "train_policy", 1), {"model_inputs": [
+            {"model_id": "e/policy/r1", "trajectory_id": "t1", "source_round": 1, "use": "new"}]})
+    with pytest.raises(StoreError, match=r"evaluations: .* a row names \('e', 1\)"):
+        _commit(s, tmp_path, StageRunRef("e", 2, "evaluate", 1), {"evaluations": [_eval("e", 1, -1, "greedy_acc", 1)]})
+    _commit(s, tmp_path, StageRunRef("e", 1, "verify", 1), {"verifications": [verdict]})
+    with pytest.raises(StoreError, match=r"duplicate key \(trajectory_id, step_index\) = \('t1', 0\) in steps"):
+        _commit(s, tmp_path, StageRunRef("e", 1, "score", 1), {"steps": [step]})  # another stage of the round
+    assert s.query("SELECT count(*) FROM verifications")[1] == [(1,)] and s.query("SELECT count(*) FROM steps")[1] == [(1,)]
+
+
 def test_problems_are_shared_across_attempts(tmp_path):
     # Problems carry no stage_run_id: a rerun adds new problems and keeps the ones already drawn.
     s = Store(tmp_path / "s")
