@@ -103,7 +103,7 @@ class Sandbox:
 
     def run_python(self, code: str, files: Mapping[str, str] | None = None, stdin: str = "") -> ExecResult:
         """`python3 main.py` in `/work`, which holds `code` as main.py and each of `files` (name: text)."""
-        return self.run([PYTHON, "-I", "main.py"], {"main.py": code, **(files or {})}, stdin)
+        return self.run([PYTHON, "-I", "-S", "main.py"], {"main.py": code, **(files or {})}, stdin)
 
     def run(self, argv: Sequence[str], files: Mapping[str, str] | None = None, stdin: str = "") -> ExecResult:
         for name in files or {}:

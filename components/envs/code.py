@@ -1,0 +1,253 @@
+"""`code`: write a Python function that passes its unit tests; run them (`run_tests`) and revise.
+
+Two sources:
+
+- generated (the default): tasks in five levels, from arithmetic on one argument (1) to list and string
+  processing (2-3), sequences (4) and small algorithms (5), each with a reference solution whose outputs
+  make the tests;
+- a JSONL file of HumanEval- or MBPP-style rows: `prompt`, and `test` + `entry_point` (HumanEval: a
+  `check(candidate)` function) or `test_list` (MBPP: assert lines, with an optional `test_setup_code`); a
+  `level` field where the file has one, else 1.
+
+Every execution of the agent's code runs in the sandbox (`components.envs.sandbox`): the tool's and the
+final scoring's alike. The answer is the last ```python block of a turn without a call; the reward is 1
+when every test passes.
+
+    >>> env = CodeEnv()
+    >>> p = env.sample_problems(level=2, n=1, seed=0)[0]
+    >>> print(p.prompt)
+    Write a Python function `f(xs)` that returns how many elements of the list xs are divisible by 15.
+    >>> env.score(p, "```python\\n" + p.meta["solution"] + "\\n```"), env.score(p, "def f(xs):\\n    return 0")
+    (1.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import random
+import re
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from components.domains.base import Problem
+from components.envs import toolcalls
+from components.envs.base import EpisodeLimits, Message, Tool
+from components.envs.episodes import LeveledProblems, ToolEpisode, reference_messages
+from components.envs.sandbox import ExecResult, Limits, Sandbox
+
+_PY_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+
+# The harness the sandbox runs: the solution, then each test in its own namespace. It imports nothing (an
+# import costs the sandboxed interpreter about 16 ms here) and prints one line: a nonce it read from stdin
+# before any of the solution ran, then its results. A solution that exits early, or prints a forged line
+# without the nonce, passes nothing.
+HARNESS = """\
+def main():
+    nonce = input()
+    ns = {}
+    try:
+        exec(compile(open("solution.py").read(), "solution.py", "exec"), ns)
+    except BaseException as e:
+        print(nonce, repr(("load", type(e).__name__ + ": " + str(e))))
+        return
+    tests = {}
+    exec(open("tests.py").read(), tests)
+    results = []
+    for test in tests["TESTS"]:
+        try:
+            exec(test, dict(ns))
+            results.append(None)
+        except AssertionError as e:
+            results.append(("AssertionError " + str(e)).strip())
+        except BaseException as e:
+            results.append(type(e).__name__ + ": " + str(e))
+    print(nonce, repr(("results", results)))
+main()
+"""
+
+
+class CodeError(ValueError):
+    """A tasks file that cannot be used: names the file and the row."""
+
+
+# (signature, task text with {params}, reference body with {params}, test inputs) per level.
+TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
+    1: [("f(x)", "returns x multiplied by {k} plus {c}", "return x * {k} + {c}", ["0", "1", "7", "-3"]),
+        ("f(x)", "returns the remainder of x divided by {m}", "return x % {m}", ["0", "5", "17", "100"]),
+        ("f(x)", "returns x squared minus {c}", "return x * x - {c}", ["0", "2", "-4", "9"])],
+    2: [("f(xs)", "returns the sum of the elements of the list xs that are greater than {k}",
+         "return sum(x for x in xs if x > {k})", ["[]", "[1, 5, 9]", "[{k}, {k}]", "[10, -2, 4, 7]"]),
+        ("f(xs)", "returns how many elements of the list xs are divisible by {m}",
+         "return sum(1 for x in xs if x % {m} == 0)", ["[]", "[1, 2, 3, 4, 6, 8]", "[0, 10, 15]"]),
+        ("f(xs)", "returns the largest element of the list xs minus the smallest, or 0 for an empty list",
+         "return max(xs) - min(xs) if xs else 0", ["[]", "[3]", "[4, -1, 8]"])],
+    3: [("f(s)", "returns the string s reversed, without its vowels (aeiou, either case)",
+         "return ''.join(ch for ch in reversed(s) if ch.lower() not in 'aeiou')", ["''", "'hello'", "'Audio Lab'"]),
+        ("f(s)", "returns how many words of the string s (split on spaces) are longer than {k} letters",
+         "return sum(1 for w in s.split() if len(w) > {k})", ["''", "'a bb ccc dddd'", "'the quick brown fox'"]),
+        ("f(s)", "returns s with every {k}th character (counting from 1) in upper case",
+         "return ''.join(ch.upper() if (i + 1) % {k} == 0 else ch for i, ch in enumerate(s))",
+         ["''", "'abcdefgh'", "'hello world'"])],
+    4: [("f(n)", "returns the list of the first n terms of the sequence a0 = {c}, a(i+1) = (a(i) * {k} + 1) % {m}",
+         "out, a = [], {c}\n    for _ in range(n):\n        out.append(a)\n        a = (a * {k} + 1) % {m}\n    return out",
+         ["0", "1", "6"]),
+        ("f(xs)", "returns the running maximum of the list xs: element i is the largest of xs[0..i]",
+         "out = []\n    for x in xs:\n        out.append(x if not out else max(out[-1], x))\n    return out",
+         ["[]", "[3, 1, 4, 1, 5]", "[-2, -5, 0]"]),
+        ("f(xs)", "returns the elements of the list xs without repeats, in the order they first appear",
+         "seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n            seen.add(x)\n"
+         "            out.append(x)\n    return out", ["[]", "[3, 1, 3, 2, 1]", "[5, 5, 5]"])],
+    5: [("f(s)", "returns True when the brackets ()[]{{}} in the string s are balanced, else False",
+         "pairs, stack = {{')': '(', ']': '[', '}}': '{{'}}, []\n    for ch in s:\n        if ch in '([{{':\n"
+         "            stack.append(ch)\n        elif ch in pairs:\n            if not stack or stack.pop() != pairs[ch]:\n"
+         "                return False\n    return not stack", ["''", "'([]{{}})'", "'(]'", "'(('", "'a(b)c'"]),
+        ("f(s)", "returns the run-length encoding of the string s: each run as its character then its length",
+         "out, i = '', 0\n    while i < len(s):\n        j = i\n        while j < len(s) and s[j] == s[i]:\n"
+         "            j += 1\n        out += s[i] + str(j - i)\n        i = j\n    return out",
+         ["''", "'aaabcc'", "'abc'", "'zzzzzzzzzzzz'"]),
+        ("f(xs)", "returns the {k} most frequent elements of the list xs, most frequent first, ties by smaller value",
+         "from collections import Counter\n    c = Counter(xs)\n    return sorted(c, key=lambda x: (-c[x], x))[:{k}]",
+         ["[]", "[1, 1, 2, 2, 3]", "[5, 4, 4, 5, 5, 6]"])],
+}
+
+
+def answer_code(text: str) -> str:
+    blocks = _PY_BLOCK.findall(text)
+    return (blocks[-1] if blocks else text).strip()
+
+
+def report(result: ExecResult, tests: list[str], nonce: str) -> tuple[int, str]:
+    """(tests passed, the observation the agent reads) from one sandboxed run of the harness."""
+    if not result.ok:
+        return 0, f"error: the run failed ({result.describe()})"
+    line = next((ln for ln in reversed(result.stdout.splitlines()) if ln.startswith(nonce + " ")), None)
+    try:
+        kind, value = ast.literal_eval(line[len(nonce) + 1:]) if line else (None, None)
+    except (ValueError, SyntaxError):
+        kind = None
+    if kind == "load":
+        return 0, f"error: the code does not load: {value}"
+    if kind != "results" or not isinstance(value, list) or len(value) != len(tests):
+        return 0, "error: the tests did not finish (did the code exit early?)"
+    failed = [(t, r) for t, r in zip(tests, value) if r is not None]
+    passed = len(tests) - len(failed)
+    lines = [f"{passed}/{len(tests)} tests passed"] + [f"FAILED {t.strip()}: {r}" for t, r in failed[:3]]
+    return passed, "\n".join(lines)
+
+
+@dataclass
+class CodeEnv(LeveledProblems):
+    name: str = "code"
+    max_level: int = 5
+    test_size: int = 20
+    tasks: str | None = None  # a HumanEval/MBPP-style JSONL file; None: generated tasks
+    isolation: str = "bwrap"  # "none" runs model code on the host: only by an explicit config switch
+    sandbox_limits: Limits = Limits(wall_s=5.0, cpu_s=2, memory_mb=512, output_bytes=65536)
+    limits: EpisodeLimits = EpisodeLimits(max_turns=3, max_wall_s=60.0, max_observation_chars=600)
+    instructions: str = "Answer with the whole function in one ```python block. You may run the tests first."
+    tools: tuple[Tool, ...] = (Tool("run_tests", "Run the task's unit tests against your code; see which fail.",
+                                    {"type": "object", "properties": {"code": {"type": "string"}},
+                                     "required": ["code"]}, None),)
+    _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.sandbox = Sandbox(self.sandbox_limits, self.isolation)
+        if self.tasks is not None:
+            self._load(Path(self.tasks))
+
+    # -- problems ------------------------------------------------------------------------------
+    def _draw(self, rng: random.Random, level: int) -> Problem:
+        sig, text, body, inputs = rng.choice(TASKS[level])
+        params = {"k": rng.randint(2, 9), "c": rng.randint(1, 40), "m": rng.randint(3, 15)}
+        solution = f"def {sig}:\n    {body.format(**params)}"
+        ns: dict[str, Any] = {}
+        exec(solution, ns)  # our own reference, never the model's: its outputs are the tests' expectations
+        args = [a.format(**params) for a in inputs]
+        tests = [f"assert f({a}) == {ns['f'](eval(a))!r}" for a in args]
+        prompt = f"Write a Python function `{sig}` that {text.format(**params)}."
+        return Problem.make(self.name, level, prompt, json.dumps(tests), {"solution": solution, "tests": tests})
+
+    def _load(self, path: Path) -> None:
+        problems = []
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as e:
+            raise CodeError(f"{path}: cannot read the tasks file: {e}") from None
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CodeError(f"{path}: row {i} is not JSON: {e.msg}") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise CodeError(f"{path}: row {i} needs a `prompt` string")
+            if row.get("test") and row.get("entry_point"):
+                tests = [f"{row['test']}\ncheck({row['entry_point']})"]
+            elif row.get("test_list"):
+                tests = [f"{row.get('test_setup_code', '')}\n{t}".strip() for t in row["test_list"]]
+            else:
+                raise CodeError(f"{path}: row {i} has no tests: give `test` and `entry_point` (HumanEval) or "
+                                "`test_list` (MBPP)")
+            prompt = f"Complete this Python code so that it works:\n{row['prompt']}"
+            meta = {"tests": tests, "solution": (row.get("prompt", "") + row["canonical_solution"])
+                    if row.get("canonical_solution") else row.get("code"), "task_id": row.get("task_id")}
+            problems.append(Problem.make(self.name, int(row.get("level", 1)), prompt, json.dumps(tests), meta))
+        if not problems:
+            raise CodeError(f"{path}: no tasks")
+        self._files = {"test": [p for p in problems if int(p.problem_id, 16) % 10 == 0],
+                       "train": [p for p in problems if int(p.problem_id, 16) % 10 != 0]}
+
+    def levels(self) -> list[int]:
+        if self._files:
+            return sorted({p.level for p in self._files["train"]} | {p.level for p in self._files["test"]})
+        return super().levels()
+
+    def test_set(self, level: int) -> list[Problem]:
+        if not self._files:
+            return super().test_set(level)
+        self._check_level(level)
+        return [p for p in self._files["test"] if p.level == level][: self.test_size]
+
+    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
+        if not self._files:
+            return super().sample_problems(level, n, seed)
+        self._check_level(level)
+        pool = [p for p in self._files["train"] if p.level == level] or [p for p in self._files["test"]
+                                                                          if p.level == level]
+        rng = random.Random(f"{self.name}-sample:{seed}:{level}")
+        out: list[Problem] = []
+        while len(out) < n:
+            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
+        return out
+
+    # -- episodes ------------------------------------------------------------------------------
+    def run_tests(self, problem: Problem, code: str) -> tuple[int, str]:
+        tests = problem.meta["tests"]
+        nonce = secrets.token_hex(16)
+        result = self.sandbox.run_python(HARNESS, {"solution.py": code, "tests.py": f"TESTS = {tests!r}\n"},
+                                         stdin=nonce + "\n")
+        return report(result, tests, nonce)
+
+    def episode(self, problem: Problem) -> ToolEpisode:
+        return ToolEpisode(self, problem, self.limits)
+
+    def bind(self, problem: Problem) -> tuple[dict[str, Tool], None]:
+        return {"run_tests": Tool("run_tests", self.tools[0].description, self.tools[0].parameters,
+                                  lambda code: self.run_tests(problem, code)[1])}, None
+
+    def score(self, problem: Problem, text: str, context: None = None) -> float:
+        passed, _ = self.run_tests(problem, answer_code(text))
+        return float(passed == len(problem.meta["tests"]))
+
+    def reference_episode(self, problem: Problem) -> list[Message]:
+        """The solution tried with `run_tests`, its report, then the same solution as the answer."""
+        solution = problem.meta.get("solution")
+        if not solution:
+            raise CodeError(f"{self.name}: task {problem.meta.get('task_id') or problem.problem_id} has no reference "
+                            "solution (canonical_solution or code)")
+        call = toolcalls.format_call("run_tests", {"code": solution})
+        return reference_messages(self, problem, [(call, None), (f"```python\n{solution}\n```", None)], self.limits)

@@ -1,0 +1,106 @@
+"""What most environments share: problems drawn in levels from a seed, and an episode in which the agent
+calls tools until it answers in a turn without a call.
+
+An environment built on these supplies `_draw(rng, level) -> Problem` (a problem, deterministic given the
+rng), `instructions`, `tools`, `bind(problem) -> ({name: Tool}, context)` (the tools with their implementations
+for one episode, and what they share, such as its database) and `score(problem, final_text, context) -> float`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from components.domains.base import Problem, unique_problems
+from components.envs import toolcalls
+from components.envs.base import Action, EpisodeLimits, Message, StepResult, Tool, call_tools
+
+
+class LeveledProblems:
+    """`levels`, `test_set` and `sample_problems` from `_draw`: the held-out set is drawn from its own seed
+    and never appears among training problems."""
+
+    name: str
+    max_level: int
+    test_size: int
+
+    def levels(self) -> list[int]:
+        return list(range(1, self.max_level + 1))
+
+    def _check_level(self, level: int) -> None:
+        if level not in self.levels():
+            raise ValueError(f"{self.name}: level {level} not in {self.levels()}")
+
+    def _draw(self, rng: random.Random, level: int) -> Problem:
+        raise NotImplementedError
+
+    def _drawn(self, seed: str, level: int, n: int, exclude: set[str]) -> list[Problem]:
+        rng = random.Random(seed)
+        out: list[Problem] = []
+        for _ in range(50 * n + 100):
+            if len(out) == n:
+                break
+            p = self._draw(rng, level)
+            if p.problem_id not in exclude:
+                out = unique_problems(out + [p])
+        return out
+
+    def test_set(self, level: int) -> list[Problem]:
+        self._check_level(level)
+        if not hasattr(self, "_tests"):
+            self._tests: dict[int, list[Problem]] = {}
+        if level not in self._tests:
+            # A small level keeps half its problems for training: the space is what many draws find.
+            space = len(self._drawn(f"{self.name}-space:{level}", level, 4 * self.test_size, set()))
+            self._tests[level] = self._drawn(f"{self.name}-test:{level}", level,
+                                             min(self.test_size, max(1, space // 2)), set())
+        return self._tests[level]
+
+    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
+        self._check_level(level)
+        held_out = {p.problem_id for p in self.test_set(level)}
+        return self._drawn(f"{self.name}-sample:{seed}:{level}", level, n, held_out)
+
+
+@dataclass
+class ToolEpisode:
+    """Turns with tool calls get the tools' observations; the first turn without one is the answer, scored."""
+    env: Any
+    problem: Problem
+    limits: EpisodeLimits
+    tools: dict[str, Tool] = field(default_factory=dict)
+    context: Any = None
+    answered: bool = False
+
+    def reset(self) -> list[Message]:
+        self.tools, self.context = self.env.bind(self.problem)
+        self.answered = False
+        return [{"role": "system", "content": toolcalls.system_prompt(self.env.tools, self.env.instructions)},
+                {"role": "user", "content": self.problem.prompt}]
+
+    def step(self, action: Action) -> StepResult:
+        if self.answered:
+            raise RuntimeError(f"{self.env.name}: step after the episode ended")
+        if action.tool_calls or action.parse_error:
+            obs, infos = call_tools(self.tools, action, self.limits.max_observation_chars)
+            return StepResult(obs, None, False, {"tool_calls": infos})
+        self.answered = True
+        return StepResult([], float(self.env.score(self.problem, action.text, self.context)), True, {})
+
+
+def reference_messages(env: Any, problem: Problem, turns: list[tuple[str, str | None]],
+                       limits: EpisodeLimits) -> list[Message]:
+    """A gold episode as messages, its observations produced by the environment's own tools: `turns` are
+    (assistant text, None) pairs, each answered by the episode as the agent would be."""
+    ep = ToolEpisode(env, problem, limits)
+    messages = ep.reset()
+    for text, _ in turns:
+        messages.append({"role": "assistant", "content": text})
+        result = ep.step(toolcalls.parse(text))
+        messages.extend(result.observations)
+        if result.done:
+            if result.reward != 1.0:
+                raise AssertionError(f"{env.name}: the reference episode of {problem.problem_id} scored {result.reward}")
+            break
+    return messages

@@ -1,0 +1,336 @@
+"""`sql`: questions over SQLite databases, answered with a query; the reward is execution match.
+
+Two sources:
+
+- generated (the default): each problem has its own small database, built from a seed (a company:
+  departments, employees, projects; or a shop: customers, products, orders), and a question in one of five
+  levels: 1 filter, 2 aggregate, 3 join, 4 group and having, 5 nested;
+- Spider/BIRD format (`questions=` a JSON list of {db_id, question, query|SQL}, `databases=` a folder of
+  `<db_id>/<db_id>.sqlite`): levels from the gold query's shape, the same five.
+
+The agent may run exploratory queries (`run_sql`) and answers with a turn that holds no call: its last
+```sql block (or the whole turn). Execution is read-only and bounded: an authorizer lets through reads and
+nothing else (no ATTACH, PRAGMA, writes or extensions), a progress handler ends a query past `timeout_s`, and
+at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
+multisets; order counts only where the gold query has an ORDER BY.
+
+    >>> env = SqlEnv()
+    >>> p = env.sample_problems(level=3, n=1, seed=0)[0]
+    >>> print(p.prompt)  # doctest: +ELLIPSIS
+    Database shop-...
+    Question: List the names of customers who ordered a product in the toys category.
+    >>> env.score(p, "```sql\\n" + p.meta["gold"] + "\\n```"), env.score(p, "SELECT 1")
+    (1.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sqlite3
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from components.domains.base import Problem
+from components.envs import toolcalls
+from components.envs.base import EpisodeLimits, Message, Tool
+from components.envs.episodes import LeveledProblems, ToolEpisode, reference_messages
+
+NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lea", "Max", "Nia",
+         "Omar", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zoe"]
+CITIES = ["Lisbon", "Oslo", "Porto", "Rome", "Turin", "Vienna"]
+DEPTS = ["Sales", "Research", "Support", "Legal", "Design", "Finance"]
+COUNTRIES = ["Chile", "Japan", "Kenya", "Peru", "Spain"]
+CATEGORIES = ["books", "games", "tools", "toys"]
+_SQL_BLOCK = re.compile(r"```sql\s*(.*?)```", re.S | re.I)
+_ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+
+
+class SqlError(ValueError):
+    """A database or questions file that cannot be used: names the file and the row."""
+
+
+def _company(rng: random.Random) -> str:
+    depts = rng.sample(DEPTS, 4)
+    rows = [f"INSERT INTO departments VALUES ({i + 1}, '{d}', '{rng.choice(CITIES)}');" for i, d in enumerate(depts)]
+    salaries = rng.sample(range(30, 121), 12)  # distinct, so "best paid" has no ties
+    for i, name in enumerate(rng.sample(NAMES, 12)):
+        rows.append(f"INSERT INTO employees VALUES ({i + 1}, '{name}', {rng.randint(1, 4)}, {salaries[i] * 1000}, "
+                    f"{rng.randint(2010, 2024)});")
+    for i in range(5):
+        rows.append(f"INSERT INTO projects VALUES ({i + 1}, 'P{i + 1}', {rng.randint(1, 3)}, {rng.randint(5, 90) * 1000});")
+    return ("CREATE TABLE departments (id INTEGER PRIMARY KEY, name TEXT, city TEXT);\n"
+            "CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT, dept_id INTEGER REFERENCES departments(id), "
+            "salary INTEGER, hired_year INTEGER);\n"
+            "CREATE TABLE projects (id INTEGER PRIMARY KEY, name TEXT, dept_id INTEGER REFERENCES departments(id), "
+            "budget INTEGER);\n" + "\n".join(rows))
+
+
+def _shop(rng: random.Random) -> str:
+    rows = [f"INSERT INTO customers VALUES ({i + 1}, '{n}', '{rng.choice(COUNTRIES)}');"
+            for i, n in enumerate(rng.sample(NAMES, 8))]
+    prices = rng.sample(range(3, 80), 8)
+    rows += [f"INSERT INTO products VALUES ({i + 1}, 'item{i + 1}', '{rng.choice(CATEGORIES)}', {prices[i]});"
+             for i in range(8)]
+    rows += [f"INSERT INTO orders VALUES ({i + 1}, {rng.randint(1, 7)}, {rng.randint(1, 8)}, {rng.randint(1, 5)}, "
+             f"{rng.randint(2019, 2024)});" for i in range(16)]
+    return ("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, country TEXT);\n"
+            "CREATE TABLE products (id INTEGER PRIMARY KEY, name TEXT, category TEXT, price INTEGER);\n"
+            "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id), "
+            "product_id INTEGER REFERENCES products(id), quantity INTEGER, year INTEGER);\n" + "\n".join(rows))
+
+
+SCHEMAS = {"company": _company, "shop": _shop}
+
+# Per level, per schema: (question, gold query) templates; {x} are drawn by `_params`.
+QUESTIONS: dict[int, dict[str, list[tuple[str, str]]]] = {
+    1: {"company": [("List the names of employees hired after {year}.",
+                     "SELECT name FROM employees WHERE hired_year > {year}"),
+                    ("List the names of employees earning at least {salary}.",
+                     "SELECT name FROM employees WHERE salary >= {salary}")],
+        "shop": [("List the names of customers from {country}.", "SELECT name FROM customers WHERE country = '{country}'"),
+                 ("List the names of products in the {category} category.",
+                  "SELECT name FROM products WHERE category = '{category}'")]},
+    2: {"company": [("How many employees earn more than {salary}?",
+                     "SELECT count(*) FROM employees WHERE salary > {salary}"),
+                    ("What is the highest salary of employees hired before {year}?",
+                     "SELECT max(salary) FROM employees WHERE hired_year < {year}")],
+        "shop": [("How many orders were placed in {oyear}?", "SELECT count(*) FROM orders WHERE year = {oyear}"),
+                 ("What is the total quantity ordered in {oyear} or later?",
+                  "SELECT sum(quantity) FROM orders WHERE year >= {oyear}")]},
+    3: {"company": [("List the names of employees who work in {city}.",
+                     "SELECT e.name FROM employees e JOIN departments d ON e.dept_id = d.id WHERE d.city = '{city}'"),
+                    ("List the names of employees in the {dept} department.",
+                     "SELECT e.name FROM employees e JOIN departments d ON e.dept_id = d.id WHERE d.name = '{dept}'")],
+        "shop": [("List the names of customers who ordered a product in the {category} category.",
+                  "SELECT DISTINCT c.name FROM customers c JOIN orders o ON o.customer_id = c.id "
+                  "JOIN products p ON o.product_id = p.id WHERE p.category = '{category}'")]},
+    4: {"company": [("Which departments have more than {k} employees? Give their names.",
+                     "SELECT d.name FROM departments d JOIN employees e ON e.dept_id = d.id GROUP BY d.id, d.name "
+                     "HAVING count(*) > {k}"),
+                    ("For each city with employees, how many employees work there?",
+                     "SELECT d.city, count(*) FROM employees e JOIN departments d ON e.dept_id = d.id GROUP BY d.city")],
+        "shop": [("Which customers placed at least {k} orders? Give their names.",
+                  "SELECT c.name FROM customers c JOIN orders o ON o.customer_id = c.id GROUP BY c.id, c.name "
+                  "HAVING count(*) >= {k}")]},
+    5: {"company": [("List the names of employees who earn more than the average salary.",
+                     "SELECT name FROM employees WHERE salary > (SELECT avg(salary) FROM employees)"),
+                    ("List the names of departments that have no projects.",
+                     "SELECT name FROM departments WHERE id NOT IN (SELECT dept_id FROM projects)"),
+                    ("List the names of the {top} best-paid employees, highest salary first.",
+                     "SELECT name FROM employees ORDER BY salary DESC LIMIT {top}")],
+        "shop": [("List the names of products that were never ordered.",
+                  "SELECT name FROM products WHERE id NOT IN (SELECT product_id FROM orders)")]},
+}
+
+
+def _params(rng: random.Random) -> dict[str, object]:
+    return {"year": rng.randint(2012, 2022), "salary": rng.randint(4, 11) * 10000, "country": rng.choice(COUNTRIES),
+            "category": rng.choice(CATEGORIES), "oyear": rng.randint(2019, 2024), "city": rng.choice(CITIES),
+            "dept": rng.choice(DEPTS), "k": rng.randint(1, 3), "top": rng.randint(2, 4)}
+
+
+def connect(script: str | None = None, path: str | Path | None = None) -> sqlite3.Connection:
+    """A database that only reads: built in memory from `script`, or a file opened read-only."""
+    if path is not None:
+        con = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True, check_same_thread=False)
+    else:
+        con = sqlite3.connect(":memory:", check_same_thread=False)
+        con.executescript(script or "")
+    con.set_authorizer(lambda action, *_: sqlite3.SQLITE_OK if action in _ALLOWED else sqlite3.SQLITE_DENY)
+    return con
+
+
+def execute(con: sqlite3.Connection, query: str, timeout_s: float = 2.0, max_rows: int = 200) -> tuple[list[str], list[tuple]]:
+    """Run one read-only query: (column names, at most `max_rows` rows). Raises sqlite3.Error on a refused,
+    failing or timed-out query."""
+    deadline = time.monotonic() + timeout_s
+    con.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+    try:
+        cur = con.execute(query)
+        rows = cur.fetchmany(max_rows + 1)
+        return [d[0] for d in cur.description or []], rows
+    except sqlite3.OperationalError as e:
+        if "interrupted" in str(e):
+            raise sqlite3.OperationalError(f"query ran past {timeout_s:g}s") from None
+        raise
+    finally:
+        con.set_progress_handler(None, 0)
+
+
+def render(columns: list[str], rows: list[tuple], max_rows: int) -> str:
+    shown = rows[:max_rows]
+    lines = [" | ".join(columns)] + [" | ".join("NULL" if v is None else str(v) for v in r) for r in shown]
+    more = len(rows) > max_rows
+    return "\n".join(lines) + (f"\n[more than {max_rows} rows]" if more else f"\n({len(shown)} rows)")
+
+
+def _norm(row: tuple) -> tuple:
+    return tuple(round(v, 6) if isinstance(v, float) else v for v in row)
+
+
+def answer_query(text: str) -> str:
+    blocks = _SQL_BLOCK.findall(text)
+    return (blocks[-1] if blocks else text).strip().rstrip(";")
+
+
+def level_of(query: str) -> int:
+    """A Spider/BIRD gold query's level, by its shape: nested 5, GROUP BY 4, JOIN 3, aggregate 2, else 1."""
+    q = query.upper()
+    if q.count("SELECT") > 1:
+        return 5
+    if "GROUP BY" in q:
+        return 4
+    if " JOIN " in q:
+        return 3
+    if re.search(r"\b(COUNT|SUM|AVG|MIN|MAX)\s*\(", q):
+        return 2
+    return 1
+
+
+TOOL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}
+
+
+@dataclass
+class SqlEnv(LeveledProblems):
+    name: str = "sql"
+    max_level: int = 5
+    test_size: int = 50
+    questions: str | None = None  # Spider/BIRD questions JSON; None: generated databases
+    databases: str | None = None  # its folder of <db_id>/<db_id>.sqlite
+    timeout_s: float = 2.0
+    max_rows: int = 20  # rows an observation shows (execution match compares up to 10x more)
+    limits: EpisodeLimits = EpisodeLimits(max_turns=3, max_wall_s=30.0, max_observation_chars=600)
+    instructions: str = "Answer with one SQLite query in a ```sql block. You may run queries first."
+    tools: tuple[Tool, ...] = (Tool("run_sql", "Run a read-only SQLite query on the database; see its rows.",
+                                    TOOL_SCHEMA, None),)
+    _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if (self.questions is None) != (self.databases is None):
+            raise SqlError("sql: give both `questions` (a Spider/BIRD JSON file) and `databases` (its folder), or neither")
+        if self.questions is not None:
+            self._load(Path(self.questions), Path(self.databases))
+
+    # -- problems ------------------------------------------------------------------------------
+    def _draw(self, rng: random.Random, level: int) -> Problem:
+        for _ in range(100):
+            schema = rng.choice(sorted(s for s in SCHEMAS if QUESTIONS[level].get(s)))
+            db_seed = rng.randrange(10**9)
+            question, gold = rng.choice(QUESTIONS[level][schema])
+            params = _params(rng)
+            question, gold = question.format(**params), gold.format(**params)
+            script = SCHEMAS[schema](random.Random(db_seed))
+            _, rows = execute(connect(script), gold, self.timeout_s, 10 * self.max_rows)
+            if rows and rows[0] != (None,) and rows[0] != (0,):  # a question whose answer is nothing teaches nothing
+                meta = {"schema": schema, "db_seed": db_seed, "gold": gold, "ordered": "ORDER BY" in gold.upper()}
+                # The database's name is in the prompt: the same question on another database is another problem.
+                prompt = f"Database {schema}-{db_seed}. {self._describe(script)}\nQuestion: {question}"
+                return Problem.make(self.name, level, prompt, gold, meta)
+        raise RuntimeError(f"sql: no non-empty question at level {level} in 100 draws")
+
+    @staticmethod
+    def _describe(script: str) -> str:
+        tables = [line.split(" (", 1) for line in script.splitlines() if line.startswith("CREATE TABLE")]
+        return "Tables: " + "; ".join(f"{name.removeprefix('CREATE TABLE ')}({cols.rstrip(');')})"
+                                      for name, cols in tables)
+
+    def _load(self, questions: Path, databases: Path) -> None:
+        try:
+            rows = json.loads(questions.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SqlError(f"{questions}: not a readable JSON list of questions: {e}") from None
+        if not isinstance(rows, list):
+            raise SqlError(f"{questions}: expected a JSON list of questions, got {type(rows).__name__}")
+        problems: list[Problem] = []
+        schemas: dict[str, str] = {}
+        for i, row in enumerate(rows):
+            gold = row.get("query") or row.get("SQL") if isinstance(row, dict) else None
+            if not gold or not row.get("question") or not row.get("db_id"):
+                raise SqlError(f"{questions}: row {i} needs db_id, question and query (Spider) or SQL (BIRD)")
+            db = databases / row["db_id"] / f"{row['db_id']}.sqlite"
+            if row["db_id"] not in schemas:
+                if not db.is_file():
+                    raise SqlError(f"{questions}: row {i}: database {db} is missing")
+                try:
+                    con = connect(path=db)
+                    ddl = [r[0] for r in con.execute("SELECT sql FROM sqlite_master WHERE type = 'table'")]
+                    con.close()
+                except sqlite3.DatabaseError as e:
+                    raise SqlError(f"{questions}: row {i}: database {db} is not a readable SQLite file: {e}") from None
+                schemas[row["db_id"]] = "Tables: " + "; ".join(" ".join(d.split()) for d in ddl if d)
+            meta = {"db_path": str(db), "gold": gold, "ordered": "ORDER BY" in gold.upper(), "db_id": row["db_id"],
+                    "evidence": row.get("evidence")}
+            hint = f"\nHint: {row['evidence']}" if row.get("evidence") else ""
+            problems.append(Problem.make(self.name, level_of(gold),
+                                         f"{schemas[row['db_id']]}\nQuestion: {row['question']}{hint}", gold, meta))
+        # A fixed tenth of the questions (by id) is held out.
+        self._files = {"test": [p for p in problems if int(p.problem_id, 16) % 10 == 0],
+                       "train": [p for p in problems if int(p.problem_id, 16) % 10 != 0]}
+
+    def levels(self) -> list[int]:
+        if self._files:
+            return sorted({p.level for p in self._files["train"]} & {p.level for p in self._files["test"]})
+        return super().levels()
+
+    def test_set(self, level: int) -> list[Problem]:
+        if not self._files:
+            return super().test_set(level)
+        self._check_level(level)
+        return [p for p in self._files["test"] if p.level == level][: self.test_size]
+
+    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
+        if not self._files:
+            return super().sample_problems(level, n, seed)
+        self._check_level(level)
+        pool = [p for p in self._files["train"] if p.level == level]
+        rng = random.Random(f"{self.name}-sample:{seed}:{level}")
+        out: list[Problem] = []
+        while len(out) < n:
+            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
+        return out
+
+    # -- episodes ------------------------------------------------------------------------------
+    def _database(self, problem: Problem) -> sqlite3.Connection:
+        if "db_path" in problem.meta:
+            return connect(path=problem.meta["db_path"])
+        return connect(SCHEMAS[problem.meta["schema"]](random.Random(problem.meta["db_seed"])))
+
+    def episode(self, problem: Problem) -> ToolEpisode:
+        return ToolEpisode(self, problem, self.limits)
+
+    def bind(self, problem: Problem) -> tuple[dict[str, Tool], sqlite3.Connection]:
+        con = self._database(problem)
+
+        def run_sql(query: str) -> str:
+            try:
+                cols, rows = execute(con, query, self.timeout_s, self.max_rows)
+            except sqlite3.Error as e:
+                raise ValueError(str(e)) from None
+            return render(cols, rows, self.max_rows)
+
+        return {"run_sql": Tool("run_sql", self.tools[0].description, TOOL_SCHEMA, run_sql)}, con
+
+    def score(self, problem: Problem, text: str, con: sqlite3.Connection | None = None) -> float:
+        """Execution match: the answer's rows against the gold query's, as multisets (in order where the gold
+        query orders). A query that fails, is refused or times out scores 0."""
+        con = con or self._database(problem)
+        cap = 10 * self.max_rows
+        try:
+            _, want = execute(con, problem.meta["gold"], self.timeout_s, cap)
+            _, got = execute(con, answer_query(text), self.timeout_s, cap)
+        except (sqlite3.Error, sqlite3.Warning, ValueError):
+            return 0.0
+        want, got = [_norm(r) for r in want], [_norm(r) for r in got]
+        return float(want == got if problem.meta["ordered"] else Counter(want) == Counter(got))
+
+    def reference_episode(self, problem: Problem) -> list[Message]:
+        """One exploratory query (a few rows of the first table the gold query reads), its result, then the
+        gold query as the answer."""
+        table = re.search(r"\bFROM\s+(\w+)", problem.meta["gold"], re.I).group(1)
+        look = toolcalls.format_call("run_sql", {"query": f"SELECT * FROM {table} LIMIT 3"})
+        return reference_messages(self, problem, [(look, None), (f"```sql\n{problem.meta['gold']}\n```", None)],
+                                  self.limits)

@@ -1,0 +1,336 @@
+"""Environments: the protocol, the built-in calculator, sql and code environments, the batched episode loop and
+the adapters. The agent here is scripted (reference episodes replayed, or fixed turns): what is under test is
+the environments' side of each turn."""
+
+import json
+import sqlite3
+
+import pytest
+
+from components.envs import get_env, toolcalls
+from components.envs.adapters import DomainEnv, SkyrlEnv, TrlEnv
+from components.envs.base import EpisodeLimits, EpisodeRunner
+from components.envs.code import CodeEnv, CodeError
+from components.envs.sql import SqlEnv, SqlError
+
+
+def scripted(turns_by_prompt: dict[str, list[str]]):
+    """A backend that answers each conversation with its script's next assistant turn."""
+    calls = []
+
+    def generate(conversations):
+        calls.append(len(conversations))
+        out = []
+        for conv in conversations:
+            user = next(m["content"] for m in conv if m["role"] == "user")
+            k = sum(m["role"] == "assistant" for m in conv)
+            script = turns_by_prompt[user]
+            text = script[min(k, len(script) - 1)]
+            out.append((text, len(text.split()), "stop"))
+        return out
+
+    generate.calls = calls
+    return generate
+
+
+def replay(env, problems, limits=None):
+    """Each problem's reference episode replayed through the runner: every one must score 1."""
+    scripts = {p.prompt: [m["content"] for m in env.reference_episode(p) if m["role"] == "assistant"]
+               for p in problems}
+    runner = EpisodeRunner(scripted(scripts), toolcalls.parse, limits or env.limits)
+    return runner.run([(p, env.episode(p)) for p in problems]), scripts
+
+
+@pytest.fixture(scope="module")
+def code_env():
+    return CodeEnv()
+
+
+@pytest.mark.parametrize("name", ["calculator", "sql", "code"])
+def test_reference_episodes_of_every_level_score_one_through_the_loop(name, code_env):
+    env = code_env if name == "code" else get_env(name)
+    problems = [p for level in env.levels() for p in env.sample_problems(level, 2, seed=3)]
+    records, scripts = replay(env, problems)
+    assert [r.status for r in records] == ["done"] * len(problems)
+    assert [r.reward for r in records] == [1.0] * len(problems), [r.messages for r in records if r.reward != 1]
+    for rec in records:
+        roles = [t.role for t in rec.turns]
+        assert roles[:2] == ["system", "user"] and roles[-1] == "assistant"
+        assert rec.turns[-1].reward == 1.0 and rec.turns[-1].num_tokens > 0
+        if "tool" in roles:  # every tool turn names its tool, holds its JSON arguments and succeeded
+            tool = next(t for t in rec.turns if t.role == "tool")
+            assert tool.tool_name in {t.name for t in env.tools} and tool.ok and json.loads(tool.tool_arguments)
+
+
+def test_the_held_out_set_is_fixed_and_never_drawn_for_training(code_env):
+    for env in (get_env("calculator"), get_env("sql"), code_env):
+        for level in env.levels():
+            test = {p.problem_id for p in env.test_set(level)}
+            assert test and test == {p.problem_id for p in env.test_set(level)}
+            train = env.sample_problems(level, 10, seed=1)
+            assert not test & {p.problem_id for p in train}
+            assert [p.problem_id for p in train] == [p.problem_id for p in env.sample_problems(level, 10, seed=1)]
+
+
+def test_malformed_calls_become_error_observations_the_agent_sees():
+    env = get_env("calculator")
+    p = env.sample_problems(4, 1, seed=0)[0]
+    turns = ['<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>',  # bad JSON
+             toolcalls.format_call("python", {"code": "1"}),  # unknown tool
+             toolcalls.format_call("calculate", {"expr": "1+1"}),  # wrong argument
+             f"#### {p.answer}"]
+    limits = EpisodeLimits(max_turns=5)
+    [rec] = EpisodeRunner(scripted({p.prompt: turns}), toolcalls.parse, limits).run([(p, env.episode(p))])
+    tools = [t for t in rec.turns if t.role == "tool"]
+    assert [t.ok for t in tools] == [False, False, False] and rec.reward == 1.0
+    assert "not valid JSON" in tools[0].content and tools[0].tool_name == "invalid"
+    assert "unknown tool 'python'" in tools[1].content
+    assert "missing ['expression']; unknown ['expr']" in tools[2].content
+
+
+def test_an_episode_that_never_answers_is_cut_at_its_turn_limit():
+    env = get_env("calculator")
+    p = env.sample_problems(2, 1, seed=0)[0]
+    call = toolcalls.format_call("calculate", {"expression": "1+1"})
+    gen = scripted({p.prompt: [call]})
+    [rec] = EpisodeRunner(gen, toolcalls.parse, EpisodeLimits(max_turns=3)).run([(p, env.episode(p))])
+    assert (rec.status, rec.reward) == ("truncated_turns", 0.0)
+    assert sum(t.role == "assistant" for t in rec.turns) == 3 and gen.calls == [1, 1, 1]
+
+
+def test_live_episodes_step_together_and_a_raising_environment_fails_only_its_own():
+    env = get_env("calculator")
+    problems = env.sample_problems(3, 4, seed=0)
+
+    class Broken:
+        def reset(self):
+            return [{"role": "user", "content": problems[0].prompt}]
+
+        def step(self, action):
+            raise RuntimeError("the environment broke")
+
+    scripts = {p.prompt: [m["content"] for m in env.reference_episode(p) if m["role"] == "assistant"]
+               for p in problems}
+    gen = scripted(scripts)
+    episodes = [(problems[0], Broken())] + [(p, env.episode(p)) for p in problems[1:]]
+    records = EpisodeRunner(gen, toolcalls.parse, env.limits).run(episodes)
+    assert records[0].status == "error" and "RuntimeError: the environment broke" in records[0].error
+    assert [r.reward for r in records[1:]] == [1.0, 1.0, 1.0]
+    assert gen.calls == [4, 3]  # one batch a turn, of every live episode
+
+
+def test_long_observations_are_cut_and_counted():
+    env = SqlEnv(limits=EpisodeLimits(max_turns=3, max_observation_chars=40))
+    p = env.sample_problems(1, 1, seed=0)[0]
+    ep = env.episode(p)
+    ep.reset()
+    result = ep.step(toolcalls.parse(toolcalls.format_call("run_sql", {"query": "SELECT * FROM sqlite_master"})))
+    assert result.info["tool_calls"][0]["truncated"] and "[cut: " in result.observations[0]["content"]
+
+
+# -- sql ---------------------------------------------------------------------------------------
+def _sql_episode(env, level=1):
+    p = env.sample_problems(level, 1, seed=0)[0]
+    ep = env.episode(p)
+    ep.reset()
+    return p, ep
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("DELETE FROM employees", "not authorized"),
+    ("ATTACH DATABASE '/tmp/coevo-attach.db' AS x", "not authorized"),
+    ("PRAGMA writable_schema = 1", "not authorized"),
+    ("CREATE TABLE t (x)", "not authorized"),
+    ("SELECT load_extension('/tmp/x')", "not authorized"),
+    ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c", "ran past 0.5s"),
+    ("SELEC 1", "syntax error"),
+])
+def test_sql_execution_is_read_only_and_bounded(query, expected):
+    env = SqlEnv(timeout_s=0.5)
+    p, ep = _sql_episode(env)
+    result = ep.step(toolcalls.parse(toolcalls.format_call("run_sql", {"query": query})))
+    info = result.info["tool_calls"][0]
+    assert not info["ok"] and expected in info["error"], info
+    assert env.score(p, f"```sql\n{p.meta['gold']}\n```") == 1.0  # the database is unchanged
+
+
+def test_sql_rows_are_capped():
+    env = SqlEnv(max_rows=3)
+    p, ep = _sql_episode(env)
+    out = ep.step(toolcalls.parse(toolcalls.format_call(
+        "run_sql", {"query": "SELECT a.name FROM sqlite_master AS a, sqlite_master AS b, sqlite_master AS c"})))
+    assert out.observations[0]["content"].endswith("[more than 3 rows]")
+
+
+def test_execution_match_compares_multisets_and_order_only_where_the_gold_orders():
+    env = SqlEnv()
+    top = next(p for p in env.sample_problems(5, 60, seed=2) if p.meta["ordered"])
+    flat = env.sample_problems(1, 1, seed=0)[0]
+    gold_top, gold_flat = top.meta["gold"], flat.meta["gold"]
+    assert env.score(top, gold_top) == 1.0
+    reversed_top = gold_top.replace("SELECT name FROM employees ORDER BY salary DESC",
+                                    "SELECT name FROM (SELECT name, salary FROM employees ORDER BY salary DESC")
+    assert env.score(top, reversed_top + ") ORDER BY salary") == 0.0  # the same rows, not in the order asked for
+    assert env.score(flat, f"SELECT * FROM ({gold_flat}) ORDER BY name DESC") == 1.0  # any order
+    assert env.score(flat, f"SELECT * FROM ({gold_flat}) UNION ALL SELECT * FROM ({gold_flat})") == 0.0  # multiset
+
+
+@pytest.fixture
+def spider(tmp_path):
+    db = tmp_path / "database" / "zoo" / "zoo.sqlite"
+    db.parent.mkdir(parents=True)
+    con = sqlite3.connect(db)
+    con.executescript("CREATE TABLE animal (id INTEGER, name TEXT, legs INTEGER);"
+                      + "".join(f"INSERT INTO animal VALUES ({i}, 'a{i}', {i % 3 * 2});" for i in range(30)))
+    con.commit()
+    con.close()
+    rows = [{"db_id": "zoo", "question": f"Names of animals with more than {k} legs?",
+             "query": f"SELECT name FROM animal WHERE legs > {k}"} for k in range(4)]
+    rows += [{"db_id": "zoo", "question": f"How many animals have {k} legs?",
+              "SQL": f"SELECT count(*) FROM animal WHERE legs = {k}", "evidence": "legs is an integer"} for k in range(40)]
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps(rows))
+    return path, tmp_path / "database", rows
+
+
+def test_spider_and_bird_format_questions_over_sqlite_files(spider):
+    path, databases, rows = spider
+    env = SqlEnv(questions=str(path), databases=str(databases))
+    assert env.levels() == [2] or set(env.levels()) <= {1, 2}
+    problems = env.sample_problems(2, 3, seed=0) + env.test_set(2)
+    assert all("Tables: CREATE TABLE animal" in p.prompt and "Hint: legs is an integer" in p.prompt for p in problems)
+    records, _ = replay(env, problems)
+    assert [r.reward for r in records] == [1.0] * len(problems)
+    assert (databases / "zoo" / "zoo.sqlite").stat().st_size > 0
+
+
+def test_a_missing_or_corrupt_database_or_a_bad_row_is_named_at_load(spider, tmp_path):
+    path, databases, rows = spider
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(rows[:2] + [{"db_id": "gone", "question": "q", "query": "SELECT 1"}]))
+    with pytest.raises(SqlError, match=r"bad.json: row 2: database .*gone/gone.sqlite is missing"):
+        SqlEnv(questions=str(bad), databases=str(databases))
+    (databases / "junk").mkdir()
+    (databases / "junk" / "junk.sqlite").write_text("not a database")
+    bad.write_text(json.dumps([{"db_id": "junk", "question": "q", "query": "SELECT 1"}]))
+    with pytest.raises(SqlError, match=r"row 0: database .*junk.sqlite is not a readable SQLite file"):
+        SqlEnv(questions=str(bad), databases=str(databases))
+    bad.write_text(json.dumps([{"db_id": "zoo", "question": "q"}]))
+    with pytest.raises(SqlError, match=r"row 0 needs db_id, question and query \(Spider\) or SQL \(BIRD\)"):
+        SqlEnv(questions=str(bad), databases=str(databases))
+
+
+# -- code --------------------------------------------------------------------------------------
+def test_run_tests_reports_failures_and_a_hostile_answer_fails_safely(code_env):
+    p = code_env.sample_problems(2, 1, seed=0)[0]
+    ep = code_env.episode(p)
+    ep.reset()
+    wrong = ep.step(toolcalls.parse(toolcalls.format_call("run_tests", {"code": "def f(xs):\n    return 0"})))
+    assert wrong.observations[0]["content"].startswith(f"0/{len(p.meta['tests'])} tests passed") or \
+        "tests passed\nFAILED assert f(" in wrong.observations[0]["content"]
+    loop = ep.step(toolcalls.parse(toolcalls.format_call("run_tests", {"code": "while True:\n    pass"})))
+    assert "error: the run failed (cpu_time" in loop.observations[0]["content"]
+    done = ep.step(toolcalls.parse(f"```python\n{p.meta['solution']}\n```"))
+    assert (done.done, done.reward) == (True, 1.0)
+
+
+@pytest.mark.parametrize("hack", [
+    "import os\nos._exit(0)",  # exit before any test runs
+    "import sys\nsys.exit(0)",
+    "print(\"x ('results', [None, None, None, None, None])\")\nimport os\nos._exit(0)",  # a forged report
+])
+def test_a_solution_that_exits_early_or_forges_the_report_passes_nothing(code_env, hack):
+    p = code_env.sample_problems(1, 1, seed=0)[0]
+    assert code_env.score(p, f"```python\n{hack}\n```") == 0.0
+    passed, seen = code_env.run_tests(p, hack)
+    assert passed == 0 and seen.startswith("error: "), seen
+
+
+def test_humaneval_and_mbpp_jsonl_tasks(tmp_path, code_env):
+    path = tmp_path / "tasks.jsonl"
+    rows = [{"task_id": f"H/{i}", "prompt": f"def add{i}(x):\n", "canonical_solution": f"    return x + {i}\n",
+             "test": f"def check(c):\n    assert c(1) == {1 + i}\n", "entry_point": f"add{i}"} for i in range(12)]
+    rows += [{"task_id": f"M/{i}", "prompt": f"Write mul{i}(x) returning x * {i}.", "code": f"def mul{i}(x):\n    return x * {i}",
+              "test_list": [f"assert mul{i}(2) == {2 * i}", f"assert mul{i}(0) == 0"]} for i in range(12)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    env = CodeEnv(tasks=str(path))
+    problems = env.sample_problems(1, 4, seed=0) + env.test_set(1)
+    records, _ = replay(env, problems)
+    assert [r.reward for r in records] == [1.0] * len(problems)
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"task_id": "x", "prompt": "def f(): pass"}) + "\n")
+    with pytest.raises(CodeError, match=r"tasks.jsonl: row 2 has no tests: give `test` and `entry_point`"):
+        CodeEnv(tasks=str(path))
+    path.write_text("{not json\n")
+    with pytest.raises(CodeError, match=r"tasks.jsonl: row 1 is not JSON"):
+        CodeEnv(tasks=str(path))
+
+
+# -- adapters ----------------------------------------------------------------------------------
+def test_a_single_turn_domain_keeps_its_verifier():
+    env = get_env("arith", max_level=2)
+    assert isinstance(env, DomainEnv) and env.tools == ()
+    problems = env.sample_problems(2, 5, seed=0)
+    records, _ = replay(env, problems)
+    assert [r.reward for r in records] == [1.0] * 5 and [len(r.turns) for r in records] == [2] * 5
+    wrong = env.episode(problems[0])
+    wrong.reset()
+    assert wrong.step(toolcalls.parse("1+1=3\n#### 3\n")).reward == 0.0
+
+
+class Counter:
+    """An environment written for TRL's GRPOTrainer(environment_factory=Counter)."""
+
+    def reset(self, target: int, **kwargs) -> str:
+        self.target, self.value = target, 0
+        return f"Reach {target}."
+
+    def add(self, n: int) -> str:
+        """Add to the counter.
+
+        Args:
+            n: how much to add
+        """
+        self.value += n
+        return str(self.value)
+
+    def get_reward(self) -> float:
+        return float(self.value == self.target)
+
+
+def test_an_environment_written_for_trl_runs_in_a_few_lines():
+    rows = [{"prompt": [{"role": "user", "content": f"Count to {t}."}], "target": t} for t in range(1, 40)]
+    env = TrlEnv(Counter, rows, name="counter")
+    assert [t.name for t in env.tools] == ["add"]
+    assert env.tools[0].parameters["properties"]["n"] == {"type": "integer", "description": "how much to add"}
+    problems = env.sample_problems(1, 3, seed=0)
+    scripts = {p.prompt + f"\n\nReach {p.meta['row']['target']}.":
+               [toolcalls.format_call("add", {"n": p.meta["row"]["target"]}), "done"] for p in problems}
+    records = EpisodeRunner(scripted(scripts), toolcalls.parse, env.limits).run([(p, env.episode(p)) for p in problems])
+    assert [r.reward for r in records] == [1.0] * 3
+    assert records[0].turns[3].content == str(problems[0].meta["row"]["target"])
+
+
+class Guess:
+    """An environment written for skyrl-gym (a BaseTextEnv): it parses its own actions."""
+
+    def __init__(self, env_config, extras):
+        self.answer, self.turns = extras["answer"], 0
+
+    def init(self, prompt):
+        return prompt, {}
+
+    def step(self, action):
+        self.turns += 1
+        if action.strip() == str(self.answer):
+            return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+        hint = "higher" if int(action) < self.answer else "lower"
+        return {"observations": [{"role": "user", "content": hint}], "reward": 0.0, "done": False, "metadata": {}}
+
+
+def test_an_environment_written_for_skyrl_gym_runs_in_a_few_lines():
+    rows = [{"prompt": f"Guess my number ({i}).", "answer": 7} for i in range(30)]
+    env = SkyrlEnv(Guess, rows, name="guess")
+    p = env.sample_problems(1, 1, seed=0)[0]
+    [rec] = EpisodeRunner(scripted({p.prompt: ["3", "9", "7"]}), toolcalls.parse, EpisodeLimits(max_turns=4)).run(
+        [(p, env.episode(p))])
+    assert rec.reward == 1.0 and [t.content for t in rec.turns if t.role == "user"][1:] == ["higher", "lower"]
