@@ -255,6 +255,26 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         _STAGE_RUN,
     ),
     _table(
+        # An agent's episode turn by turn (components.envs): its prompt messages, each assistant turn as generated,
+        # and each observation (a tool's result or the environment's feedback). The trajectory's steps are its
+        # assistant turns, so labels, scores and selections treat an episode as any other trajectory.
+        "turns", ("trajectory_id", "turn_index"),
+        col("trajectory_id", STR, null=False),
+        col("turn_index", INT, null=False),  # 0, 1, ... in the order the model saw them
+        col("role", STR, null=False),  # system | user | assistant | tool
+        col("content", STR, null=False),  # the text as generated or observed (an observation after its cut)
+        col("tool_name", STR),  # a tool turn's tool; 'invalid' for a call the format could not read
+        col("tool_arguments", STR),  # its JSON arguments
+        col("tool_ok", BOOL),  # a tool turn: did the call run (False: malformed, unknown, wrong arguments, failed)
+        col("error", STR),  # why it did not; on an episode's last turn, the traceback of an environment that raised
+        col("reward", FLOAT),  # an assistant turn's own reward; the last one's is the outcome
+        col("num_tokens", INT),  # an assistant turn's generated tokens
+        col("finish_reason", STR),  # an assistant turn's: stop | length | ...
+        col("latency_s", FLOAT),  # generating an assistant turn, or running a tool
+        col("truncated", BOOL),  # an observation cut at the environment's max_observation_chars
+        _STAGE_RUN,
+    ),
+    _table(
         "round_plans", ("experiment_id", "round"),
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),

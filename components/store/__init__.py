@@ -40,8 +40,9 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
                  "timestamp[us]": "TIMESTAMP"}
 
 # The store's layout version, in `coevo_meta`. 1 was the single DuckDB file (coevo.duckdb, read as it is and
-# migrated by the first writer); 2 is the DuckLake. A store of a higher version was made by a newer coevo.
-SCHEMA_VERSION = 2
+# migrated by the first writer); 2 is the DuckLake; 3 adds agent episodes (`turns`, `v_episodes`,
+# `v_tool_stats`), which the first writer of a version-2 store adds. A higher version was made by a newer coevo.
+SCHEMA_VERSION = 3
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 
@@ -177,6 +178,34 @@ LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selecte
     AND sel.purpose = CASE WHEN m.role IN ('prm', 'orm') THEN 'reward_train'
                            WHEN mi.use LIKE 'dpo_%' THEN mi.use WHEN mi.use = 'step_dpo_rejected' THEN 'step_dpo'
                            ELSE 'policy_sft' END;
+
+CREATE OR REPLACE VIEW v_episodes AS
+-- One row per agent episode: its turns, tool calls and their errors, tokens, time and outcome.
+SELECT t.experiment_id, t.round, t.purpose, t.trajectory_id, t.problem_id, t.level, t.policy_model_id,
+       t.finish_reason AS episode_status,
+       count(*) FILTER (WHERE u.role = 'assistant') AS assistant_turns,
+       count(*) FILTER (WHERE u.role = 'tool') AS tool_calls,
+       count(*) FILTER (WHERE u.role = 'tool' AND NOT u.tool_ok) AS tool_errors,
+       count(*) FILTER (WHERE u.truncated) AS cut_observations,
+       sum(u.num_tokens) FILTER (WHERE u.role = 'assistant') AS assistant_tokens,
+       sum(length(u.content)) FILTER (WHERE u.role IN ('tool', 'user') AND u.turn_index > 1) AS observation_chars,
+       sum(u.latency_s) FILTER (WHERE u.role = 'assistant') AS generation_s,
+       sum(u.latency_s) FILTER (WHERE u.role = 'tool') AS tool_s,
+       v.reward, v.correct
+FROM trajectories t
+JOIN turns u USING (trajectory_id)
+LEFT JOIN verifications v USING (trajectory_id)
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_tool_stats AS
+-- Calls, errors and latency per tool and round; malformed calls count under the tool name 'invalid'.
+SELECT t.experiment_id, t.round, t.purpose, u.tool_name, count(*) AS calls,
+       count(*) FILTER (WHERE NOT u.tool_ok) AS errors, avg(CASE WHEN u.tool_ok THEN 0.0 ELSE 1.0 END) AS error_rate,
+       count(*) FILTER (WHERE u.truncated) AS cut, avg(u.latency_s) AS mean_latency_s,
+       quantile_cont(u.latency_s, 0.5) AS p50_latency_s, quantile_cont(u.latency_s, 0.99) AS p99_latency_s
+FROM turns u JOIN trajectories t USING (trajectory_id)
+WHERE u.role = 'tool'
+GROUP BY ALL;
 """
 
 AS_OF = re.compile(r"(?P<experiment>[^/]+)/r(?P<round>\d+)(?:/(?P<stage>[a-z_]+)(?:/a(?P<attempt>\d+))?)?")
@@ -204,7 +233,7 @@ def _locked(e: Exception) -> StoreError:
 def _schema_version(con: duckdb.DuckDBPyConnection) -> int | None:
     """The attached store's `coevo_meta` schema version; None where it has no tables yet."""
     try:
-        row = con.execute("SELECT max(value) FROM coevo_meta WHERE key = 'schema_version'").fetchone()
+        row = con.execute("SELECT max(TRY_CAST(value AS INTEGER)) FROM coevo_meta WHERE key = 'schema_version'").fetchone()
     except duckdb.CatalogException:
         return None
     return int(row[0]) if row and row[0] is not None else None
@@ -292,9 +321,10 @@ class Store:
             if _schema_version(con) == SCHEMA_VERSION:  # another process created it first
                 con.execute("ROLLBACK")
                 return
-            con.execute(SCHEMA)
+            before = _schema_version(con)
+            con.execute(SCHEMA)  # CREATE TABLE IF NOT EXISTS: an older store gains its new tables
             con.execute(VIEWS)
-            message = "coevo: create the store"
+            message = "coevo: create the store" if before is None else f"coevo: upgrade the store to schema {SCHEMA_VERSION}"
             if legacy is not None:
                 message = f"coevo: migrate {legacy}"
                 con.execute(f"ATTACH '{str(legacy).replace(chr(39), chr(39) * 2)}' AS legacy (READ_ONLY)")
@@ -809,6 +839,6 @@ def experiment_filter(table: str) -> str:
         return "model_id IN (SELECT model_id FROM models WHERE experiment_id = ?)"
     if table == "stage_jobs":
         return "stage_run_id IN (SELECT stage_run_id FROM stage_runs WHERE experiment_id = ?)"
-    if table in ("steps", "verifications", "step_labels", "step_pairs", "scores", "trajectory_sources"):
+    if table in ("steps", "verifications", "step_labels", "step_pairs", "scores", "trajectory_sources", "turns"):
         return "trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE experiment_id = ?)"
     return "experiment_id = ?"
