@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 from components.domains.base import Domain, Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeLimits, Message, StepResult, Tool, call_tools
+from components.envs.episodes import FileProblems
 
 
 @dataclass
@@ -68,7 +68,7 @@ class _OneTurn:
         return StepResult([], float(verdict or 0.0), True, {"verdict": verdict})
 
 
-class RowProblems:
+class RowProblems(FileProblems):
     """Problems from dataset rows: levels from `level`, a tenth held out by id."""
 
     def _rows_to_problems(self, rows: Sequence[dict[str, Any]]) -> None:
@@ -81,21 +81,9 @@ class RowProblems:
                 raise ValueError(f"{self.name}: row {i} needs a `prompt` (text or chat messages with a user message)")
             problems.append(Problem.make(self.name, int(row.get("level", 1)), prompt,
                                          json.dumps(row.get("answer")), {"row": row}))
-        self._test = [p for p in problems if int(p.problem_id, 16) % 10 == 0]
-        self._train = [p for p in problems if int(p.problem_id, 16) % 10 != 0]
-
-    def levels(self) -> list[int]:
-        return sorted({p.level for p in self._train + self._test})
-
-    def test_set(self, level: int) -> list[Problem]:
-        return [p for p in self._test if p.level == level]
-
-    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
-        pool = [p for p in self._train if p.level == level]
-        if not pool:
-            raise ValueError(f"{self.name}: no training rows at level {level}")
-        rng = random.Random(f"{self.name}-sample:{seed}:{level}")
-        return [rng.choice(pool) for _ in range(n)]
+        if not problems:
+            raise ValueError(f"{self.name}: no rows")
+        self._hold_out(problems)
 
 
 def method_tools(instance: Any, skip: Sequence[str] = ("reset", "get_reward")) -> tuple[Tool, ...]:
@@ -120,6 +108,7 @@ class TrlEnv(RowProblems):
     factory: Callable[[], Any]
     rows: Sequence[dict[str, Any]]
     name: str = "trl"
+    test_size: int | None = None
     limits: EpisodeLimits = EpisodeLimits()
     instructions: str = ""
     tools: tuple[Tool, ...] = field(init=False)
@@ -167,6 +156,7 @@ class SkyrlEnv(RowProblems):
     env_cls: type
     rows: Sequence[dict[str, Any]]
     name: str = "skyrl"
+    test_size: int | None = None
     env_config: Any = None
     limits: EpisodeLimits = EpisodeLimits()
     tools: tuple[Tool, ...] = ()

@@ -35,7 +35,7 @@ from typing import Any
 from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeLimits, Message, Tool
-from components.envs.episodes import LeveledProblems, ToolEpisode, reference_messages
+from components.envs.episodes import FileProblems, ToolEpisode, reference_messages
 from components.envs.sandbox import ExecResult, Limits, Sandbox
 
 _PY_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
@@ -139,7 +139,7 @@ def report(result: ExecResult, tests: list[str], nonce: str) -> tuple[int, str]:
 
 
 @dataclass
-class CodeEnv(LeveledProblems):
+class CodeEnv(FileProblems):
     name: str = "code"
     max_level: int = 5
     test_size: int = 20
@@ -198,31 +198,7 @@ class CodeEnv(LeveledProblems):
             problems.append(Problem.make(self.name, int(row.get("level", 1)), prompt, json.dumps(tests), meta))
         if not problems:
             raise CodeError(f"{path}: no tasks")
-        self._files = {"test": [p for p in problems if int(p.problem_id, 16) % 10 == 0],
-                       "train": [p for p in problems if int(p.problem_id, 16) % 10 != 0]}
-
-    def levels(self) -> list[int]:
-        if self._files:
-            return sorted({p.level for p in self._files["train"]} | {p.level for p in self._files["test"]})
-        return super().levels()
-
-    def test_set(self, level: int) -> list[Problem]:
-        if not self._files:
-            return super().test_set(level)
-        self._check_level(level)
-        return [p for p in self._files["test"] if p.level == level][: self.test_size]
-
-    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
-        if not self._files:
-            return super().sample_problems(level, n, seed)
-        self._check_level(level)
-        pool = [p for p in self._files["train"] if p.level == level] or [p for p in self._files["test"]
-                                                                          if p.level == level]
-        rng = random.Random(f"{self.name}-sample:{seed}:{level}")
-        out: list[Problem] = []
-        while len(out) < n:
-            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
-        return out
+        self._hold_out(problems)
 
     # -- episodes ------------------------------------------------------------------------------
     def run_tests(self, problem: Problem, code: str) -> tuple[int, str]:

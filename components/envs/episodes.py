@@ -63,6 +63,40 @@ class LeveledProblems:
         return self._drawn(f"{self.name}-sample:{seed}:{level}", level, n, held_out)
 
 
+class FileProblems(LeveledProblems):
+    """Problems read from a file where the environment was given one (`_hold_out` sets `_files`: a fixed tenth,
+    by problem id, held out), else drawn in levels. Levels are those with training problems."""
+
+    _files: dict[str, list[Problem]]
+    test_size: int | None
+
+    def _hold_out(self, problems: list[Problem]) -> None:
+        self._files = {"test": [p for p in problems if int(p.problem_id, 16) % 10 == 0],
+                       "train": [p for p in problems if int(p.problem_id, 16) % 10 != 0]}
+
+    def levels(self) -> list[int]:
+        if not self._files:
+            return super().levels()
+        return sorted({p.level for p in self._files["train"]})
+
+    def test_set(self, level: int) -> list[Problem]:
+        if not self._files:
+            return super().test_set(level)
+        self._check_level(level)
+        return [p for p in self._files["test"] if p.level == level][: self.test_size]
+
+    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
+        if not self._files:
+            return super().sample_problems(level, n, seed)
+        self._check_level(level)
+        pool = [p for p in self._files["train"] if p.level == level]
+        rng = random.Random(f"{self.name}-sample:{seed}:{level}")
+        out: list[Problem] = []
+        while len(out) < n:
+            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
+        return out
+
+
 @dataclass
 class ToolEpisode:
     """Turns with tool calls get the tools' observations; the first turn without one is the answer, scored."""

@@ -37,7 +37,7 @@ from pathlib import Path
 from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeLimits, Message, Tool
-from components.envs.episodes import LeveledProblems, ToolEpisode, reference_messages
+from components.envs.episodes import FileProblems, ToolEpisode, reference_messages
 
 NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lea", "Max", "Nia",
          "Omar", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zoe"]
@@ -195,7 +195,7 @@ TOOL_SCHEMA = {"type": "object", "properties": {"query": {"type": "string"}}, "r
 
 
 @dataclass
-class SqlEnv(LeveledProblems):
+class SqlEnv(FileProblems):
     name: str = "sql"
     max_level: int = 5
     test_size: int = 50
@@ -268,30 +268,7 @@ class SqlEnv(LeveledProblems):
             problems.append(Problem.make(self.name, level_of(gold),
                                          f"{schemas[row['db_id']]}\nQuestion: {row['question']}{hint}", gold, meta))
         # A fixed tenth of the questions (by id) is held out.
-        self._files = {"test": [p for p in problems if int(p.problem_id, 16) % 10 == 0],
-                       "train": [p for p in problems if int(p.problem_id, 16) % 10 != 0]}
-
-    def levels(self) -> list[int]:
-        if self._files:
-            return sorted({p.level for p in self._files["train"]} & {p.level for p in self._files["test"]})
-        return super().levels()
-
-    def test_set(self, level: int) -> list[Problem]:
-        if not self._files:
-            return super().test_set(level)
-        self._check_level(level)
-        return [p for p in self._files["test"] if p.level == level][: self.test_size]
-
-    def sample_problems(self, level: int, n: int, seed: int) -> list[Problem]:
-        if not self._files:
-            return super().sample_problems(level, n, seed)
-        self._check_level(level)
-        pool = [p for p in self._files["train"] if p.level == level]
-        rng = random.Random(f"{self.name}-sample:{seed}:{level}")
-        out: list[Problem] = []
-        while len(out) < n:
-            out.extend(rng.sample(pool, min(len(pool), n - len(out))))
-        return out
+        self._hold_out(problems)
 
     # -- episodes ------------------------------------------------------------------------------
     def _database(self, problem: Problem) -> sqlite3.Connection:
