@@ -148,7 +148,9 @@ class Sandbox:
 
     def _execute(self, cmd: list[str], cwd: str, stdin: str, fds: Sequence[int]) -> ExecResult:
         lim = self.limits
-        nproc = lim.processes if os.geteuid() == 0 or self.isolation == "bwrap" else lim.processes + _user_processes()
+        # As root, the run has a uid of its own (`setpriv`), and the limit counts its processes alone. Otherwise
+        # the limit counts every process of the user's uid: the run may start `processes` more than it has.
+        nproc = lim.processes if os.geteuid() == 0 else lim.processes + _user_processes()
 
         def limit() -> None:  # in the child, before exec: inherited by the whole tree
             resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
@@ -156,8 +158,6 @@ class Sandbox:
             resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb << 20,) * 2)
             resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files,) * 2)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if self.isolation == "bwrap" and os.geteuid() != 0:
-                return  # bubblewrap itself forks under the user's own uid: the pid namespace bounds the tree
             resource.setrlimit(resource.RLIMIT_NPROC, (nproc,) * 2)
 
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd, "PYTHONDONTWRITEBYTECODE": "1"}
