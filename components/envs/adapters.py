@@ -144,8 +144,7 @@ class _TrlEpisode:
 
     def step(self, action) -> StepResult:
         if action.tool_calls or action.parse_error:
-            obs, infos = call_tools(self.tools, action, self.env.limits.max_observation_chars)
-            return StepResult(obs, None, False, {"tool_calls": infos})
+            return call_tools(self.tools, action, self.env.limits.max_observation_chars)
         get_reward = getattr(self.instance, "get_reward", None)
         return StepResult([], float(get_reward()) if callable(get_reward) else 0.0, True, {})
 

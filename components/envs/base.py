@@ -108,9 +108,9 @@ class Environment(Protocol):
         ...
 
 
-def call_tools(tools: Mapping[str, Tool], action: Action, max_chars: int) -> tuple[list[Message], list[dict]]:
-    """Run an action's tool calls: one observation each (an error observation for a malformed or failing
-    call), and one info record each for `v_tool_stats`."""
+def call_tools(tools: Mapping[str, Tool], action: Action, max_chars: int) -> StepResult:
+    """Run an action's tool calls: the turn's result, not done, with one observation per call (an error
+    observation for a malformed or failing call) and one info record each (`info["tool_calls"]`)."""
     observations, infos = [], []
     if action.parse_error is not None:
         observations.append({"role": "tool", "name": "invalid", "content": f"error: {action.parse_error}"})
@@ -134,7 +134,7 @@ def call_tools(tools: Mapping[str, Tool], action: Action, max_chars: int) -> tup
         observations.append({"role": "tool", "name": call.name, "content": content})
         infos.append({"tool": call.name, "ok": error is None, "error": error, "truncated": cut,
                       "latency_s": time.perf_counter() - t0, "arguments": json.dumps(call.arguments, sort_keys=True)})
-    return observations, infos
+    return StepResult(observations, None, False, {"tool_calls": infos})
 
 
 def check_arguments(tool: Tool, arguments: dict[str, Any]) -> str | None:
@@ -232,6 +232,7 @@ class EpisodeRunner:
                     result = ep.step(self.parse(text))
                 except Exception:
                     rec.status, rec.error = "error", traceback.format_exc()
+                    rec.turns[-1].error = rec.error  # the traceback stays with the turn the environment failed on
                     rec.env_s += time.perf_counter() - t1
                     continue
                 rec.env_s += time.perf_counter() - t1

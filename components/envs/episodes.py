@@ -117,8 +117,7 @@ class ToolEpisode:
         if self.answered:
             raise RuntimeError(f"{self.env.name}: step after the episode ended")
         if action.tool_calls or action.parse_error:
-            obs, infos = call_tools(self.tools, action, self.limits.max_observation_chars)
-            return StepResult(obs, None, False, {"tool_calls": infos})
+            return call_tools(self.tools, action, self.limits.max_observation_chars)
         self.answered = True
         return StepResult([], float(self.env.score(self.problem, action.text, self.context)), True, {})
 

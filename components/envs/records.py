@@ -34,8 +34,6 @@ def episode_rows(record: EpisodeRecord, *, experiment: str, round: int, purpose:
     tid = trajectory_id(experiment, round, purpose, p.problem_id, sample_index)
     assistant = [t for t in record.turns if t.role == "assistant"]
     user = next((t.content for t in record.turns if t.role == "user"), p.prompt)
-    if record.status == "error" and record.turns:
-        record.turns[-1].error = record.error  # the environment's traceback stays with the episode
     traj = {"trajectory_id": tid, "experiment_id": experiment, "round": round, "purpose": purpose,
             "problem_id": p.problem_id, "level": p.level, "policy_model_id": policy_model_id,
             "sample_index": sample_index, "prompt": user, "completion": transcript(record),

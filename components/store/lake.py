@@ -192,16 +192,6 @@ _BASES: dict[tuple, duckdb.DuckDBPyConnection] = {}
 _BASES_LOCK = threading.Lock()
 
 
-def identity(loc: Location) -> tuple:
-    """This process's name for the store at `loc`. A catalog file removed and made again is another store:
-    its inode tells them apart."""
-    catalog_file = loc.root / CATALOG_FILE if loc.root is not None else None
-    if catalog_file is not None and not catalog_file.exists():
-        raise LakeError(f"no store at {loc.describe()}")
-    inode = catalog_file.stat().st_ino if catalog_file is not None else None
-    return os.getpid(), loc.catalog, loc.data_path, inode
-
-
 def connect(loc: Location, *, read_only: bool, snapshot: int | None = None, config: dict[str, Any] | None = None,
             prepare: Callable[[duckdb.DuckDBPyConnection], None] | None = None) -> duckdb.DuckDBPyConnection:
     """A connection with the store attached as `store` and in use; close it when done. A writer creates the
@@ -220,7 +210,12 @@ def connect(loc: Location, *, read_only: bool, snapshot: int | None = None, conf
 
     if snapshot is not None:
         return opened(snapshot)
-    key = (identity(loc), read_only, tuple(sorted((config or {}).items())))
+    catalog_file = loc.root / CATALOG_FILE if loc.root is not None else None
+    if catalog_file is not None and not catalog_file.exists():
+        raise LakeError(f"no store at {loc.describe()}")
+    # A catalog file removed and made again is another store: its inode tells them apart.
+    inode = catalog_file.stat().st_ino if catalog_file is not None else None
+    key = (os.getpid(), loc.catalog, loc.data_path, read_only, inode, tuple(sorted((config or {}).items())))
     with _BASES_LOCK:
         if key not in _BASES:
             _BASES[key] = opened(None)
