@@ -12,7 +12,7 @@ greedy decoding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from components.models.prompts import PromptFormat, chat_turn_end, check_prompt_format, render_prompts
@@ -24,11 +24,21 @@ class Sample:
     text: str           # the completion only, decoded, without special tokens or the stop string
     num_tokens: int     # tokens generated, EOS included
     finish_reason: str  # "stop": EOS or a stop string; "length": ran into max_new_tokens
+    # The sampled ids (EOS included), where the backend returns them; samples compare by what they say, not by it.
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False)
 
 
 class GenerationBackend(Protocol):
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]: ...
+
+
+class TokenBackend(GenerationBackend, Protocol):
+    """A backend that also samples from token ids and returns the sampled ids (hf, vllm, and openai where it has
+    the tokenizer): what the agent loop needs to keep a conversation's tokens append-only."""
+
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                     max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]: ...
 
 
 def _cut_at_stop(text: str, stop: list[str] | None) -> tuple[str, bool]:
@@ -151,10 +161,14 @@ class HFBackend:
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        return self.generate_ids(self.prompts.encode(prompts), n, temperature, top_p, max_new_tokens, seed, stop)
+
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                     max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        """`generate` on prompts given as token ids, as they are (not rendered or cut)."""
         torch, tok = self.torch, self.tok
         stop = self.stop if stop is None else stop
-        prompt_ids = self.prompts.encode(prompts)
-        flat = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        flat = [(i, j) for i in range(len(prompt_ids)) for j in range(n)]
         order = sorted(range(len(flat)), key=lambda k: (len(prompt_ids[flat[k][0]]), k))
         kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, eos_token_id=self.prompts.eos_ids,
                                   pad_token_id=tok.pad_token_id)
@@ -178,7 +192,7 @@ class HFBackend:
                 out[k] = self._sample(ids, stop)
             if self.progress and n_batches > 1 and (b + 1) % max(1, n_batches // 10) == 0:
                 print(f"[generate] batch {b + 1}/{n_batches}", flush=True)
-        result: list[list[Sample]] = [[] for _ in prompts]
+        result: list[list[Sample]] = [[] for _ in prompt_ids]
         for (i, _), s in zip(flat, out, strict=True):
             result[i].append(s)
         return result
@@ -191,7 +205,7 @@ class HFBackend:
             while ids and ids[-1] == self.tok.pad_token_id:
                 ids = ids[:-1]
         text, cut = _cut_at_stop(self.tok.decode(ids, skip_special_tokens=True), stop)
-        return Sample(text, len(ids), "stop" if end is not None or cut else "length")
+        return Sample(text, len(ids), "stop" if end is not None or cut else "length", tuple(ids))
 
 
 # The engines' modules import their packages lazily: vllm lives in its own environment.

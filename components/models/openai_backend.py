@@ -75,10 +75,25 @@ class OpenAIBackend:
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
-        stop = self.stop if stop is None else stop
         if not prompts:
             return []
         sent: list[str] | list[list[int]] = self.prompts.encode(prompts) if self.prompts else list(prompts)
+        return self._generate(sent, n, temperature, top_p, max_new_tokens, seed, stop)
+
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                     max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        """`generate` on prompts given as token ids; each Sample carries the ids the server sampled (vLLM's
+        `return_token_ids`)."""
+        if self.prompts is None:
+            raise ValueError(f"backend 'openai' (model {self.model}): sampling from token ids needs the model's "
+                             "tokenizer, for its stop ids; give backend_options.tokenizer or serve a local folder")
+        return self._generate(prompt_ids, n, temperature, top_p, max_new_tokens, seed, stop)
+
+    def _generate(self, sent: list[str] | list[list[int]], n: int, temperature: float, top_p: float,
+                  max_new_tokens: int, seed: int, stop: list[str] | None) -> list[list[Sample]]:
+        stop = self.stop if stop is None else stop
+        if not sent:
+            return []
         extra: dict[str, Any] = {"return_token_ids": True}  # vLLM's; a strict server answers 400, named in the error
         if self.prompts:
             extra["stop_token_ids"] = self.prompts.eos_ids
@@ -163,7 +178,8 @@ def _samples(body: Any, n: int, stop: list[str] | None) -> list[Sample]:
     for k, c in enumerate(sorted(choices, key=lambda c: c["index"])):
         text, cut = _cut_at_stop(c["text"], stop)  # a server that ignored `stop` is cut here, as HFBackend cuts
         reason = "length" if c.get("finish_reason") == "length" and not cut else "stop"
-        out.append(Sample(text, _num_tokens(c, completion_tokens, k, n), reason))
+        ids = tuple(c["token_ids"]) if isinstance(c.get("token_ids"), list) else None
+        out.append(Sample(text, _num_tokens(c, completion_tokens, k, n), reason, ids))
     return out
 
 

@@ -94,22 +94,26 @@ class VLLMBackend:
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        return self.generate_ids(self.prompts.encode(prompts), n, temperature, top_p, max_new_tokens, seed, stop)
+
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                     max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        """`generate` on prompts given as token ids, as they are; each Sample carries its sampled ids."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         stop = self.stop if stop is None else stop
-        ids = self.prompts.encode(prompts)
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p if temperature > 0 else 1.0,
                                  max_tokens=max_new_tokens, seed=seed_stream(seed, i), stop=stop or None,
                                  stop_token_ids=self.prompts.eos_ids)
-                  for i in range(len(prompts))]
+                  for i in range(len(prompt_ids))]
         try:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
         except Exception as e:
             raise BackendError("vllm", self.model, f"generate failed: {type(e).__name__}: {e}",
                                transient=False) from e
-        return [[Sample(c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop")
-                 for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+        return [[Sample(c.text, len(c.token_ids), "length" if c.finish_reason == "length" else "stop",
+                        tuple(c.token_ids)) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
 
     def stats(self) -> dict[str, float]:
         """The engine's prefix cache counters since it started: prompt tokens looked up, found cached."""
