@@ -212,6 +212,8 @@ def build_model(
                                                 "(~0.1M, for tests).")] = "small",
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
     per_level: Annotated[int, typer.Option(min=1, help="Problems per level in the tokenizer's text.")] = 500,
+    positions: Annotated[Optional[int], typer.Option(min=16, help="Context length in tokens, where the size's "
+                                                             "default is too short (an agent's episodes).")] = None,
 ) -> None:
     """Build a stand-in for a hub model: a BPE tokenizer trained on the domain's text and a random Qwen2/Llama."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -224,7 +226,7 @@ def build_model(
     if size not in SIZES:
         fail(f"unknown --size {size!r}: choose one of {', '.join(SIZES)}", 2)
     try:
-        cfg = replace(SIZES[size], arch=arch)
+        cfg = replace(SIZES[size], arch=arch, **({"max_position_embeddings": positions} if positions else {}))
         if config is not None:
             from components.config import load_config
 
@@ -280,7 +282,7 @@ def query(
     format: Annotated[str, typer.Option("--format", "-f", help="table|csv|json|parquet")] = "table",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write to this file.")] = None,
     as_of: Annotated[Optional[str], typer.Option(
-        "--as-of", help="Read the store as it stood at <experiment>/r<round>[/<stage>[/a<attempt>]]: after that "
+        "--as-of", help="Read the store as it stood at <experiment>/r<round>\\[/<stage>\\[/a<attempt>]]: after that "
                         "attempt's commit (the stage's live attempt; the round's last live stage).")] = None,
     catalog: Annotated[Optional[str], typer.Option(
         "--catalog", help="A shared store's catalog, postgres:host=… dbname=… (default: COEVO_CATALOG, else the "

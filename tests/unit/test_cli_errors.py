@@ -125,3 +125,19 @@ def test_query_without_store(tmp_path):
     assert r.returncode == 2
     assert "no store at" in r.stderr
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_every_commands_help_renders():
+    """Rich reads `[...]` in help text as markup: one unescaped bracket made `coevo query --help` crash."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    runner = CliRunner()
+    commands = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
+    assert "query" in commands and "build-model" in commands
+    for name in commands:
+        result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (name, result.output, result.exception)
+        assert "Usage" in result.output, name
+    assert "/r<round>[/<stage>[/a<attempt>]]" in runner.invoke(app, ["query", "--help"], env={"COLUMNS": "200"}).output
