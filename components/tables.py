@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 STR, INT, BIGINT, FLOAT, BOOL, TIME = pa.string(), pa.int32(), pa.int64(), pa.float64(), pa.bool_(), pa.timestamp("us")
+IDS = pa.list_(pa.int32())  # token ids
 
 
 class Column(NamedTuple):
@@ -272,6 +273,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("finish_reason", STR),  # an assistant turn's: stop | length | ...
         col("latency_s", FLOAT),  # generating an assistant turn, or running a tool
         col("truncated", BOOL),  # an observation cut at the environment's max_observation_chars
+        col("token_ids", IDS),  # an assistant turn's ids as sampled, its turn end included: what training reads
         _STAGE_RUN,
     ),
     _table(

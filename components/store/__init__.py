@@ -37,12 +37,13 @@ T = TypeVar("T")
 
 # DuckDB's name for each Arrow type a table declares.
 _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE", "bool": "BOOLEAN",
-                 "timestamp[us]": "TIMESTAMP"}
+                 "timestamp[us]": "TIMESTAMP", "list<item: int32>": "INTEGER[]"}
 
 # The store's layout version, in `coevo_meta`. 1 was the single DuckDB file (coevo.duckdb, read as it is and
 # migrated by the first writer); 2 is the DuckLake; 3 adds agent episodes (`turns`, `v_episodes`,
-# `v_tool_stats`), which the first writer of a version-2 store adds. A higher version was made by a newer coevo.
-SCHEMA_VERSION = 3
+# `v_tool_stats`), which the first writer of a version-2 store adds; 4 adds `turns.token_ids`. An older store's
+# first writer adds the tables and columns it lacks. A higher version was made by a newer coevo.
+SCHEMA_VERSION = 4
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 
@@ -200,7 +201,7 @@ GROUP BY ALL;
 CREATE OR REPLACE VIEW v_tool_stats AS
 -- Calls, errors and latency per tool and round; malformed calls count under the tool name 'invalid'.
 SELECT t.experiment_id, t.round, t.purpose, u.tool_name, count(*) AS calls,
-       count(*) FILTER (WHERE NOT u.tool_ok) AS errors, avg(CASE WHEN u.tool_ok THEN 0.0 ELSE 1.0 END) AS error_rate,
+       count(*) FILTER (WHERE NOT u.tool_ok) AS errors, avg(CASE WHEN u.tool_ok THEN 0.0 WHEN NOT u.tool_ok THEN 1.0 END) AS error_rate,
        count(*) FILTER (WHERE u.truncated) AS cut, avg(u.latency_s) AS mean_latency_s,
        quantile_cont(u.latency_s, 0.5) AS p50_latency_s, quantile_cont(u.latency_s, 0.99) AS p99_latency_s
 FROM turns u JOIN trajectories t USING (trajectory_id)
@@ -243,6 +244,18 @@ def _check_version(version: int | None, where: str) -> None:
     if version is not None and version > SCHEMA_VERSION:
         raise StoreError(f"store {where} has schema version {version}, made by a newer coevo (this one reads "
                          f"up to {SCHEMA_VERSION}): upgrade coevo (pip install -U coevo) to read or write it")
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """ALTER TABLE ... ADD COLUMN for each declared column an older store's table lacks (null in its old rows)."""
+    have: dict[str, set[str]] = {}
+    for table, column in con.execute(f"SELECT table_name, column_name FROM duckdb_columns() "
+                                     f"WHERE database_name = '{lake.LAKE}'").fetchall():
+        have.setdefault(table, set()).add(column)
+    for t in TABLES.values():
+        for c in t.columns:
+            if t.name in have and c.name not in have[t.name]:
+                con.execute(f"ALTER TABLE {t.name} ADD COLUMN {c.name} {_DUCKDB_TYPES[str(c.type)]}")
 
 
 class Store:
@@ -323,6 +336,7 @@ class Store:
                 return
             before = _schema_version(con)
             con.execute(SCHEMA)  # CREATE TABLE IF NOT EXISTS: an older store gains its new tables
+            _add_missing_columns(con)  # and its tables their new columns
             con.execute(VIEWS)
             message = "coevo: create the store" if before is None else f"coevo: upgrade the store to schema {SCHEMA_VERSION}"
             if legacy is not None:

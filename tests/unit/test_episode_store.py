@@ -108,3 +108,21 @@ def test_a_version_2_store_gains_the_turns_table_from_its_first_writer(tmp_path)
         messages = [r[0] for r in con.execute(f"SELECT commit_message FROM ducklake_snapshots('{lake.LAKE}')").fetchall()]
     assert f"coevo: upgrade the store to schema {SCHEMA_VERSION}" in messages
     assert json.loads(store.query("SELECT levels_json FROM round_plans")[1][0][0]) == [1]
+
+
+def test_a_version_3_store_gains_the_token_ids_column_and_keeps_its_turns(tmp_path):
+    store = Store(tmp_path / "s")
+    with store.writer() as con:  # what a version-3 store looks like: turns without token_ids, one row in it
+        con.execute("BEGIN TRANSACTION")
+        con.execute("DROP VIEW v_episodes")
+        con.execute("DROP VIEW v_tool_stats")
+        con.execute("ALTER TABLE turns DROP COLUMN token_ids")
+        con.execute("INSERT INTO turns (trajectory_id, turn_index, role, content, stage_run_id) "
+                    "VALUES ('t', 0, 'user', 'hi', 'x')")
+        con.execute("DELETE FROM coevo_meta")
+        con.execute("INSERT INTO coevo_meta VALUES ('schema_version', '3')")
+        con.execute("COMMIT")
+    store.register_experiment("e", "{}", "h", 1, "agent", None)  # any write upgrades it
+    assert store.query("SELECT content, token_ids FROM turns")[1] == [("hi", None)]
+    assert store.query("SELECT max(value::INTEGER) FROM coevo_meta")[1] == [(SCHEMA_VERSION,)]
+    assert store.query("SELECT count(*) FROM v_episodes")[1] == [(0,)]

@@ -143,7 +143,7 @@ def test_store_tables_are_the_declared_tables(tmp_path):
     s = Store(tmp_path / "s")
     s.init()
     duck = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "double": "DOUBLE", "bool": "BOOLEAN",
-            "timestamp[us]": "TIMESTAMP"}
+            "timestamp[us]": "TIMESTAMP", "list<item: int32>": "INTEGER[]"}
     with s.reader() as con:
         for name, t in TABLES.items():
             got = [(r[0], r[1], r[2] == "YES") for r in con.execute(f"DESCRIBE {name}").fetchall()]
