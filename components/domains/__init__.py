@@ -20,12 +20,18 @@ DOMAINS: dict[str, str] = {
 
 
 def get_domain(name: str, **options: Any) -> Domain:
-    """Build a registered domain by name, or a user domain by dotted path 'pkg.module:Class'."""
+    """Build a registered domain by name, a built-in environment (`components.envs.ENVS`: calculator, sql,
+    code), or a user domain or environment by dotted path 'pkg.module:Class'."""
+    from components.envs import ENVS  # envs build on domains: imported here, not at the top
+
     if name in DOMAINS:
         return locate(DOMAINS[name])(**options)
+    if name in ENVS:
+        return locate(ENVS[name])(**options)
     if ":" in name:
         return locate(name)(**options)
-    raise ValueError(f"unknown domain {name!r}: known domains are {sorted(DOMAINS)}, or give a dotted path 'pkg.module:Class'")
+    raise ValueError(f"unknown domain {name!r}: known domains are {sorted(DOMAINS)}, the environments {sorted(ENVS)}, "
+                     "or give a dotted path 'pkg.module:Class'")
 
 
 __all__ = ["DOMAINS", "Domain", "Problem", "get_domain", "problem_id"]

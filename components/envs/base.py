@@ -174,6 +174,7 @@ class Turn:
     finish_reason: str | None = None
     latency_s: float | None = None
     truncated: bool = False
+    token_ids: list[int] | None = None  # an assistant turn's ids as sampled (turn end included)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class EpisodeRecord:
     messages: list[Message]
     turns: list[Turn]
     reward: float
-    status: str  # done | truncated_turns | truncated_time | error
+    status: str  # done | truncated_turns | truncated_time | truncated_context | error
     error: str | None = None  # the traceback, where the environment raised
     env_s: float = 0.0  # wall time inside the environment
     gen_s: float = 0.0  # wall time generating
@@ -192,9 +193,12 @@ class EpisodeRecord:
 class EpisodeRunner:
     """Drives many episodes at once: every live episode's next assistant turn is generated in one batch.
 
-    `generate(conversations) -> [(text, num_tokens, finish_reason)]` is the backend: hf, vLLM and openai all
-    fit it (`components.envs.agent.backend_generate`). `parse(text) -> Action` is the chat format's tool-call
-    parser. An environment that raises ends that episode alone, as `error`, with its traceback."""
+    `generate(conversations) -> [(text, num_tokens, finish_reason[, token_ids])]` is the policy: a scripted one,
+    or `components.envs.agent.ChatSampler` on hf, vLLM or openai, which also returns the sampled ids (kept on the
+    assistant message, so the next turn's prompt extends them). A finish_reason of "context" means the
+    conversation no longer fits the model: the episode ends as `truncated_context`. `parse(text) -> Action` is
+    the chat format's tool-call parser. An environment that raises ends that episode alone, as `error`, with its
+    traceback."""
 
     def __init__(self, generate: Callable[[list[list[Message]]], list[tuple[str, int, str]]],
                  parse: Callable[[str], Action], limits: EpisodeLimits):
@@ -222,11 +226,17 @@ class EpisodeRunner:
             outs = self.generate([rec.messages for rec, _, _ in live])
             gen = (time.perf_counter() - t0) / len(live)
             still = []
-            for (rec, ep, started), (text, ntok, finish) in zip(live, outs):
+            for (rec, ep, started), (text, ntok, finish, *ids) in zip(live, outs, strict=True):
                 rec.gen_s += gen
-                rec.messages.append({"role": "assistant", "content": text})
+                if finish == "context":
+                    rec.status = "truncated_context"
+                    continue
+                msg: Message = {"role": "assistant", "content": text}
+                if ids:
+                    msg["token_ids"] = list(ids[0])
+                rec.messages.append(msg)
                 rec.turns.append(Turn(len(rec.turns), "assistant", text, num_tokens=ntok, finish_reason=finish,
-                                      latency_s=gen))
+                                      latency_s=gen, token_ids=msg.get("token_ids")))
                 t1 = time.perf_counter()
                 try:
                     result = ep.step(self.parse(text))

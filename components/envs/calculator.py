@@ -1,8 +1,9 @@
 """`calculator`: integer arithmetic with a calculator tool, the cheapest multi-turn environment.
 
-The agent learns when a tool pays: a level-1 product of two digits is answered at once, a level-4 one
-(three digits times two, plus a third number) is where a model that calls `calculate` wins. The answer is
-the last line `#### <integer>`; the reward is 1 when it equals the value.
+The agent learns to call `calculate` with the problem's expression and to answer with what it returns, from
+a product of two digits (level 1) to one of three digits by three plus a third number (level 5). No level can
+be answered from memory: held-out problems are products the model never saw. The answer is the last line
+`#### <integer>`; the reward is 1 when it equals the value.
 
     >>> env = CalculatorEnv()
     >>> p = env.sample_problems(level=3, n=1, seed=0)[0]
@@ -97,9 +98,7 @@ class CalculatorEnv(LeveledProblems):
         return float(self.extract_answer(text) == problem.answer)
 
     def reference_episode(self, problem: Problem) -> list[Message]:
-        """Level 1 is answered at once; above it, one call to the calculator, then the answer."""
+        """One call to the calculator, then the answer."""
         final = f"#### {problem.answer}"
-        if problem.level == 1:
-            return reference_messages(self, problem, [(final, None)], self.limits)
         call = toolcalls.format_call("calculate", {"expression": problem.meta["expression"]})
         return reference_messages(self, problem, [(call, None), (final, None)], self.limits)

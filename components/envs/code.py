@@ -215,6 +215,9 @@ class CodeEnv(FileProblems):
         return {"run_tests": Tool("run_tests", self.tools[0].description, self.tools[0].parameters,
                                   lambda code: self.run_tests(problem, code)[1])}, None
 
+    def extract_answer(self, text: str) -> str | None:
+        return answer_code(text).strip() or None
+
     def score(self, problem: Problem, text: str, context: None = None) -> float:
         passed, _ = self.run_tests(problem, answer_code(text))
         return float(passed == len(problem.meta["tests"]))

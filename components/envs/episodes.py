@@ -19,11 +19,36 @@ from components.envs.base import Action, EpisodeLimits, Message, StepResult, Too
 
 class LeveledProblems:
     """`levels`, `test_set` and `sample_problems` from `_draw`: the held-out set is drawn from its own seed
-    and never appears among training problems."""
+    and never appears among training problems.
+
+    It also gives an environment the rest of the `Domain` methods the stages call. An episode's steps are its
+    assistant turns, which the agent loop stores itself; its outcome is the environment's `score`, run on the
+    episode's last turn (`verify_episodes`), not a text verifier; there is no step checker or oracle."""
 
     name: str
     max_level: int
     test_size: int
+    step_separator: str = "\n"
+
+    def reference_solution(self, problem: Problem) -> str:
+        """The reference episode's final answer turn."""
+        return [m["content"] for m in self.reference_episode(problem) if m["role"] == "assistant"][-1]
+
+    def split_steps(self, completion: str) -> list[str]:
+        return [completion]
+
+    def extract_answer(self, text: str) -> str | None:
+        return text.strip() or None
+
+    def verify(self, completions: list[str], references: list[str]) -> list[float | None]:
+        raise TypeError(f"{self.name} is an environment: its outcome comes from running an episode's answer "
+                        "(`score`), which needs the problem, not a text verifier")
+
+    def oracle_step_labels(self, problem: Problem, completion: str) -> None:
+        return None
+
+    def check_steps(self, prompt: str, completion: str) -> None:
+        return None
 
     def levels(self) -> list[int]:
         return list(range(1, self.max_level + 1))

@@ -291,6 +291,9 @@ class SqlEnv(FileProblems):
 
         return {"run_sql": Tool("run_sql", self.tools[0].description, TOOL_SCHEMA, run_sql)}, con
 
+    def extract_answer(self, text: str) -> str | None:
+        return answer_query(text) or None
+
     def score(self, problem: Problem, text: str, con: sqlite3.Connection | None = None) -> float:
         """Execution match: the answer's rows against the gold query's, as multisets (in order where the gold
         query orders). A query that fails, is refused or times out scores 0."""

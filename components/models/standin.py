@@ -39,10 +39,27 @@ BOS = "<|begin_of_text|>"
 PAD = "<|pad|>"
 SPECIAL = [EOS, IM_START, IM_END, BOS, PAD]
 
-# ChatML as Qwen2 writes it, without Qwen2's default system message: the prompt is exactly the turns given.
+# ChatML as Qwen2.5 writes it, without its default system message: the prompt is exactly the turns given. Tools
+# as Qwen2.5 takes them: `tools=` (JSON schemas) listed in the system turn, with the <tool_call> format the agent
+# answers in; a tool's result is a user turn holding <tool_response> blocks, consecutive results in one turn.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -98,9 +115,13 @@ def domain_texts(domain: str | Domain, levels: Sequence[int] | None = None, n_pe
     from components.domains import get_domain
 
     d = get_domain(domain) if isinstance(domain, str) else domain
+    episodes = callable(getattr(d, "reference_episode", None))  # an environment: its conversations, tool calls too
     for level in d.levels() if levels is None else levels:
         for p in d.sample_problems(level, n_per_level, seed):
-            yield p.prompt + d.reference_solution(p)
+            if episodes:
+                yield "\n".join(m["content"] for m in d.reference_episode(p)) + "\n<tool_response>\n</tool_response>"
+            else:
+                yield p.prompt + d.reference_solution(p)
 
 
 # Llama 3's split (its tiktoken pattern): numbers in runs of up to 3 digits.

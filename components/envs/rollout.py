@@ -1,0 +1,163 @@
+"""Episodes of a round, as the stages run them: sampled by the policy through the batched loop, stored as rows,
+and verified by the environment.
+
+    sampler = ChatSampler(backend, ChatEncoder(backend.tok, uri), temperature=1.0, top_p=1.0, max_new_tokens=96, seed=0)
+    batch, stats = run_episodes(env, sampler, problems, n=4, experiment="e", round=1, purpose="train",
+                                policy_model_id="e/policy/r0/a1", seed=0)
+    batch.tables   # problems, trajectories, steps (the assistant turns), turns
+
+The verification of an episode is the environment's `score` on its last assistant turn, for an episode that
+ended by answering (`done`); an episode cut at its turn, time or context limit, or whose environment raised, is
+wrong. `verify_episodes` computes it from stored rows, as the `verify` stage does; the loop's own reward is the
+same function on the same text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from components.domains.base import Problem
+from components.envs import toolcalls
+from components.envs.base import EpisodeRecord, EpisodeRunner
+from components.envs.records import episode_rows
+
+
+def is_agent(domain: Any) -> bool:
+    """An environment whose problems are solved in episodes (calculator, sql, code, a user's), not a text domain."""
+    return callable(getattr(domain, "episode", None)) and callable(getattr(domain, "score", None))
+
+
+@dataclass
+class EpisodeBatch:
+    tables: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {
+        "problems": [], "trajectories": [], "steps": [], "turns": []})
+    rewards: dict[str, float] = field(default_factory=dict)  # trajectory id -> the loop's outcome reward
+    records: list[EpisodeRecord] = field(default_factory=list)
+
+    @property
+    def trajectories(self) -> list[dict[str, Any]]:
+        return self.tables["trajectories"]
+
+    def extend(self, other: EpisodeBatch) -> None:
+        seen = {p["problem_id"] for p in self.tables["problems"]}
+        for name, rows in other.tables.items():
+            self.tables[name] += [r for r in rows if name != "problems" or r["problem_id"] not in seen]
+        self.rewards |= other.rewards
+        self.records += other.records
+
+
+def run_episodes(env: Any, generate: Any, problems: list[Problem], *, n: int, experiment: str, round: int,
+                 purpose: str, policy_model_id: str | None, seed: int, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 0, first_sample_index: int = 0) -> tuple[EpisodeBatch, dict[str, float]]:
+    """`n` episodes per problem, every live one stepped in one batch per turn; the rows and the loop's stats
+    (episodes, turns, tool calls and their errors, observations cut, how episodes ended, wall time in the
+    environment and in generation)."""
+    episodes = [(p, env.episode(p)) for p in problems for _ in range(n)]
+    records = EpisodeRunner(generate, toolcalls.parse, env.limits).run(episodes)
+    batch = EpisodeBatch(records=records)
+    seen: set[str] = set()
+    for k, rec in enumerate(records):
+        rows = episode_rows(rec, experiment=experiment, round=round, purpose=purpose, policy_model_id=policy_model_id,
+                            sample_index=first_sample_index + k % n, temperature=temperature, top_p=top_p,
+                            max_new_tokens=max_new_tokens, seed=seed, verifier=f"{env.name}.score",
+                            verifier_version="1", answer=env.extract_answer)
+        for name in batch.tables:
+            batch.tables[name] += [r for r in rows[name] if name != "problems" or r["problem_id"] not in seen]
+        seen.add(rec.problem.problem_id)
+        batch.rewards[rows["trajectories"][0]["trajectory_id"]] = rec.reward
+    return batch, episode_stats(records)
+
+
+def episode_stats(records: list[EpisodeRecord]) -> dict[str, float]:
+    turns = [t for r in records for t in r.turns]
+    tools = [t for t in turns if t.role == "tool"]
+    ended = Counter(r.status for r in records)
+    env_s, gen_s = sum(r.env_s for r in records), sum(r.gen_s for r in records)
+    out = {"episodes": len(records), "assistant_turns": sum(t.role == "assistant" for t in turns),
+           "tool_calls": len(tools), "tool_errors": sum(t.ok is False for t in tools),
+           "observations_cut": sum(t.truncated for t in tools), "env_seconds": env_s, "gen_seconds": gen_s,
+           "env_share": env_s / max(env_s + gen_s, 1e-9)}
+    return out | {f"ended_{status}": float(c) for status, c in sorted(ended.items())}
+
+
+def final_turns(turns: list[dict[str, Any]]) -> dict[str, str]:
+    """Each trajectory's last assistant turn, from `turns` rows."""
+    last: dict[str, tuple[int, str]] = {}
+    for t in turns:
+        if t["role"] == "assistant" and t["turn_index"] >= last.get(t["trajectory_id"], (-1, ""))[0]:
+            last[t["trajectory_id"]] = (t["turn_index"], t["content"])
+    return {tid: text for tid, (_, text) in last.items()}
+
+
+def verify_episodes(env: Any, trajectories: list[dict[str, Any]], problems: list[dict[str, Any]],
+                    turns: list[dict[str, Any]], version: str) -> list[dict[str, Any]]:
+    """`verifications` rows: the environment's score of each answered episode's last turn; 0 for the others."""
+    by_id = {p["problem_id"]: Problem(p["problem_id"], p["domain"], p["level"], p["prompt"], p["answer"],
+                                      json.loads(p["meta_json"] or "{}")) for p in problems}
+    final = final_turns(turns)
+    rows = []
+    for t in trajectories:
+        text = final.get(t["trajectory_id"])
+        if t["finish_reason"] == "done" and text is not None:
+            reward, detail = float(env.score(by_id[t["problem_id"]], text)), f"answer={t['answer']!r}"
+        else:
+            reward, detail = 0.0, f"episode ended {t['finish_reason']}"
+        rows.append({"trajectory_id": t["trajectory_id"], "verifier": f"{env.name}.score", "verifier_version": version,
+                     "correct": reward >= 1.0, "reward": reward, "detail": detail})
+    return rows
+
+
+def demonstration_episodes(env: Any, problems: list[dict[str, Any]], trajectories: list[dict[str, Any]],
+                           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Round 0's demonstrations (`training.data.demonstrations` rows) as the environment's reference episodes:
+    each trajectory's completion becomes the episode's transcript, and its turns (tool calls and observations
+    included) become `turns` rows."""
+    from components.envs.base import Turn
+
+    by_id = {p["problem_id"]: p for p in problems}
+    trajs, turns = [], []
+    for t in trajectories:
+        row = by_id[t["problem_id"]]
+        p = Problem(row["problem_id"], row["domain"], row["level"], row["prompt"], row["answer"],
+                    json.loads(row["meta_json"] or "{}"))
+        messages = env.reference_episode(p)
+        tool = [m["role"] == "tool" for m in messages]  # the environment's own tools answered them
+        rec = EpisodeRecord(p, messages, [Turn(i, m["role"], m["content"], m.get("name") if tool[i] else None,
+                                               ok=not m["content"].startswith("error:") if tool[i] else None)
+                                          for i, m in enumerate(messages)], 1.0, "done")
+        rows = episode_rows(rec, experiment=t["experiment_id"], round=t["round"], purpose=t["purpose"],
+                            policy_model_id=None, sample_index=t["sample_index"], temperature=None, top_p=None,
+                            max_new_tokens=None, seed=None, verifier="", verifier_version="",
+                            answer=env.extract_answer)
+        [traj] = rows["trajectories"]
+        if traj["trajectory_id"] != t["trajectory_id"]:
+            raise AssertionError(f"demonstration {t['trajectory_id']}: its episode got id {traj['trajectory_id']}")
+        trajs.append(traj | {"finish_reason": t["finish_reason"], "num_tokens": t["num_tokens"]})
+        turns += rows["turns"]
+    return trajs, turns
+
+
+def conversations(turns: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """`turns` rows as each trajectory's chat messages, the sampled ids kept on the assistant's (what SFT on an
+    episode trains on, token for token)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for t in sorted(turns, key=lambda t: (t["trajectory_id"], t["turn_index"])):
+        m: dict[str, Any] = {"role": t["role"], "content": t["content"]}
+        if t["role"] == "tool" and t["tool_name"]:
+            m["name"] = t["tool_name"]
+        if t["role"] == "assistant" and t.get("token_ids"):
+            m["token_ids"] = list(t["token_ids"])
+        out.setdefault(t["trajectory_id"], []).append(m)
+    return out
+
+
+def verification_rows(env: Any, batch: EpisodeBatch, version: str) -> list[dict[str, Any]]:
+    """`verifications` rows from the loop's own outcome rewards (the evaluate stage: it holds the records)."""
+    return [{"trajectory_id": t["trajectory_id"], "verifier": f"{env.name}.score", "verifier_version": version,
+             "correct": t["finish_reason"] == "done" and batch.rewards[t["trajectory_id"]] >= 1.0,
+             "reward": batch.rewards[t["trajectory_id"]],
+             "detail": f"answer={t['answer']!r}" if t["finish_reason"] == "done" else f"episode ended {t['finish_reason']}"}
+            for t in batch.trajectories]

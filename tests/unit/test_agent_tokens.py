@@ -1,0 +1,125 @@
+"""The agent loop's tokens, token by token, on a real byte-level BPE tokenizer (a stand-in built here) and a real
+model sampling: the ids trained on are the ids sampled (append-only tokenization), and the loss mask covers
+the assistant's tokens and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+
+from components.envs import get_env, toolcalls
+from components.envs.agent import ChatEncoder, ChatSampler, TemplateError
+from components.envs.base import EpisodeLimits, EpisodeRunner, StepResult
+from components.models.backends import HFBackend
+from components.models.standin import SIZES, build_standin, domain_texts
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agent") / "standin"
+    build_standin(path, domain_texts(get_env("calculator"), n_per_level=60), SIZES["tiny"])
+    return HFBackend(str(path), prompt_format="chat", progress=False)
+
+
+class Echo:
+    """Three turns whatever the agent writes: each answered by a tool observation holding text the tokenizer must
+    meet at a boundary (a newline, digits, a JSON fragment), then done."""
+
+    def __init__(self, question):
+        self.question, self.turns = question, 0
+
+    def reset(self):
+        return [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": self.question}]
+
+    def step(self, action):
+        self.turns += 1
+        if self.turns == 3:
+            return StepResult([], 0.0, True)
+        return StepResult([{"role": "tool", "name": "calculate", "content": f'\n408 {{"x": {self.turns}}}\n'}],
+                          None, False)
+
+
+class Recording:
+    """The backend as the sampler sees it, keeping every prompt it was given."""
+
+    def __init__(self, backend):
+        self.backend, self.prompts = backend, []
+
+    def generate_ids(self, prompt_ids, *args, **kw):
+        self.prompts += [list(p) for p in prompt_ids]
+        return self.backend.generate_ids(prompt_ids, *args, **kw)
+
+
+def test_the_ids_trained_on_are_the_ids_sampled_and_only_they_carry_loss(standin):
+    tok = standin.tok
+    enc = ChatEncoder(tok, "standin")
+    backend = Recording(standin)
+    sampler = ChatSampler(backend, enc, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0, max_context=256)
+    problems = get_env("calculator").sample_problems(2, 4, seed=0)
+    records = EpisodeRunner(sampler, toolcalls.parse, EpisodeLimits(max_turns=3)).run([(p, Echo(p.prompt)) for p in problems])
+    assert len(backend.prompts) == 3 * len(problems)  # three turns of four episodes, sampled in three batches
+    respelled = 0
+    for rec in records:
+        assert rec.status == "done" and [t.role for t in rec.turns].count("assistant") == 3
+        ids, mask = enc.encode(rec.messages, add_generation_prompt=False)
+        # Append-only: every prompt the model was given is a prefix of the conversation trained on.
+        prompts = [p for p in backend.prompts if ids[:len(p)] == p]
+        assert len(prompts) == 3, "a turn's prompt is not a prefix of the final conversation's ids"
+        sampled = [list(t.token_ids) for t in rec.turns if t.role == "assistant"]
+        # Masked-in tokens are exactly the sampled ones, turn by turn, where the model sampled them.
+        spans, start = [], None
+        for i, m in enumerate([*mask, 0]):
+            if m and start is None:
+                start = i
+            elif not m and start is not None:
+                spans.append((start, i))
+                start = None
+        assert [ids[a:b] for a, b in spans] == sampled
+        assert [a for a, _ in spans] == [len(p) for p in sorted(prompts, key=len)]  # each begins where its prompt ended
+        # Everything else is the template's and the environment's: the system and user turns, headers, observations.
+        context = tok.decode([t for t, m in zip(ids, mask) if not m])
+        assert context.count("<|im_start|>assistant\n") == 3 and context.count("<tool_response>") == 2
+        assert "What is" in context and '{"x": 1}' in context
+        # Re-tokenizing the sampled text would not give the sampled ids back: the bug this tokenization avoids.
+        for t in rec.turns:
+            if t.role == "assistant":
+                own = list(t.token_ids)[:-1] if t.token_ids[-1] in standin.prompts.eos_ids else list(t.token_ids)
+                respelled += tok(t.content, add_special_tokens=False)["input_ids"] != own
+    assert respelled > 0, "no sampled turn was re-spelled by re-tokenizing: the test did not meet its case"
+
+
+def test_trl_trains_on_the_masked_tokens_alone(standin, tmp_path):
+    """The rows train_sft hands TRL, after TRL's own preparation: labels are the ids where the mask is 1, else -100."""
+    import datasets
+    from trl import SFTTrainer
+
+    from trl import SFTConfig
+
+    from components.training.sft import SFTParams, _episode_rows, _sft_config
+
+    env = get_env("calculator")
+    episodes = [{"messages": env.reference_episode(p)} for p in env.sample_problems(3, 3, seed=1)]
+    params = SFTParams(max_steps=1, batch_size=3, prompt_format="chat", max_length=256)
+    rows = _episode_rows(standin.tok, "standin", episodes, params)
+    trainer = SFTTrainer(model=standin.model, args=_sft_config(SFTConfig, str(tmp_path), params, True, fp16=False),
+                         train_dataset=datasets.Dataset.from_list(rows), processing_class=standin.tok)
+    enc = ChatEncoder(standin.tok, "standin")
+    for row, ex in zip(trainer.train_dataset, episodes, strict=True):
+        ids, mask = enc.encode(ex["messages"], add_generation_prompt=False)
+        assert row["input_ids"] == ids
+        assert row["labels"] == [t if m else -100 for t, m in zip(ids, mask)]
+        trained = standin.tok.decode([t for t in row["labels"] if t != -100])
+        call, answer = [m["content"] for m in ex["messages"] if m["role"] == "assistant"]
+        assert trained == call + "<|im_end|>" + answer + "<|im_end|>"  # the tool's result is not in it
+
+
+def test_a_template_that_rewrites_the_assistants_text_is_refused(standin):
+    tok = standin.tok
+    original = tok.chat_template
+    try:
+        tok.chat_template = original.replace("message['content'] + '<|im_end|>'", "message['content'] | trim + '<|im_end|>'")
+        enc = ChatEncoder(tok, "trimming-model")
+        with pytest.raises(TemplateError, match="trimming-model.*assistant turn 2"):
+            enc.encode([{"role": "system", "content": "s"}, {"role": "user", "content": "x"},
+                        {"role": "assistant", "content": " 4 "}])
+    finally:
+        tok.chat_template = original
