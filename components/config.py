@@ -397,6 +397,10 @@ class TrackingConfig(_Section):
         True, description="Log each round's policy checkpoint to its round run and register it as a version of "
                           "`<experiment>-policy` (aliases `current` and `best`).",
     )
+    trace_episodes: int = Field(
+        20, ge=0, exclude_if=lambda v: v == 20,  # the default leaves older experiments' config hashes as they were
+        description="An agent environment's round logs this many of its episodes (a fixed sample by id) as "
+                              "MLflow traces: a span per turn and tool call, reward and verdict as assessments.")
 
 
 class ImportConfig(_Section):
@@ -546,6 +550,7 @@ class ExperimentConfig(_Section):
         from components.recipes import get_recipe
 
         get_recipe(self.recipe).check(self)
+        self._check_agent_environment()
         if self.train_policy.method != "sft" and not (self.filter.dpo_pairs or self.filter.step_dpo_pairs):
             raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set "
                              "filter.dpo_pairs=true or filter.step_dpo_pairs=true")
@@ -568,6 +573,31 @@ class ExperimentConfig(_Section):
             raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
                              "train_reward.enabled=true (recipe coevo), score.reward_model=implicit, or best_of_n=[]")
         return self
+
+    def _check_agent_environment(self) -> None:
+        """An environment (calculator, sql, code) runs episodes in chat turns; what the agent loop does not do yet
+        is refused here, naming the setting, rather than failing a stage later."""
+        from components.envs import ENVS
+
+        if self.domain.name not in ENVS:
+            return
+        where = f"domain.name={self.domain.name!r} is an agent environment"
+        if self.policy.prompt_format != "chat" or self.policy.model is None:
+            raise ValueError(f"{where}: its turns are chat messages with tool calls; set policy.prompt_format=chat and "
+                             "policy.model to a model with a chat template (`coevo build-model --domain "
+                             f"{self.domain.name}` makes a stand-in)")
+        unsupported = {"score.mc_rollouts": self.score.mc_rollouts != 0,
+                       "score.reward_model": self.score.reward_model != "none",
+                       "train_reward.enabled": self.train_reward.enabled,
+                       "generate.search": self.generate.search is not None,
+                       "generate.until_correct": self.generate.until_correct is not None,
+                       "filter.check_steps": self.filter.check_steps,
+                       "train_policy.method": self.train_policy.method != "sft",
+                       "evaluate.best_of_n": bool(self.evaluate.best_of_n)}
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (Monte Carlo turn labels, "
+                             "reward models and DPO on episodes are still to come); use recipe rft with their defaults")
 
     # -- derived -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

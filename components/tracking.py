@@ -215,6 +215,80 @@ class Tracker:
         self.client.set_terminated(run.info.run_id)
         return run.info.run_id
 
+    def log_episodes(self, round: int, episodes: list[dict[str, Any]]) -> list[str]:
+        """Agent episodes as MLflow traces, linked to the round's run and tagged with their `trajectory_id`: a span
+        per assistant turn, each tool call a span inside the turn that made it, timed by the stored latencies; the
+        outcome reward and verdict as assessments. Each episode is {"trajectory", "turns", "verification"} rows.
+        Returns the trace ids."""
+        if not self.enabled or not episodes:
+            return []
+        import json
+        import time
+
+        import mlflow
+        from mlflow.entities import AssessmentSource
+
+        # Traces and assessments go to the global tracking URI: this one while they are logged, and afterwards
+        # whatever it was (unset included: `mlflow.set_tracking_uri` would leave MLFLOW_TRACKING_URI behind).
+        from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+        run_id = self.round_run(round)
+        ids = []
+        with _use_tracking_uri(self.uri):
+            for ep in episodes:
+                t = ep["trajectory"]
+                turns = sorted(ep["turns"], key=lambda u: u["turn_index"])
+                opening = [{"role": u["role"], "content": u["content"]} for u in turns if u["role"] in ("system", "user")
+                           and u["turn_index"] < 2]
+                clock = time.time_ns()
+                root = self.client.start_trace(
+                    f"episode {t['trajectory_id']}", span_type="AGENT", inputs={"messages": opening},
+                    attributes={"level": t["level"], "purpose": t["purpose"], "policy_model_id": t["policy_model_id"]},
+                    tags={"coevo.trajectory_id": t["trajectory_id"], TAG_EXPERIMENT: self.cfg.experiment,
+                          TAG_ROUND: str(round), "coevo.problem_id": t["problem_id"]},
+                    experiment_id=self.mlflow_experiment_id, start_time_ns=clock, run_id=run_id)
+                open_turn = None  # (span, text): a turn's span stays open over the tool calls it made
+
+                def close(turn, at):
+                    self.client.end_span(root.trace_id, turn[0].span_id, outputs={"content": turn[1]}, end_time_ns=at)
+
+                for u in turns[len(opening):]:
+                    took = max(1000, int((u["latency_s"] or 0.0) * 1e9))  # >= 1 us: the spans keep the turns' order
+                    if u["role"] == "assistant":
+                        if open_turn is not None:
+                            close(open_turn, clock)
+                        span = self.client.start_span(
+                            f"turn {u['turn_index']}", root.trace_id, root.span_id, span_type="CHAT_MODEL",
+                            inputs={"turn_index": u["turn_index"]},
+                            attributes={"num_tokens": u["num_tokens"], "finish_reason": u["finish_reason"]},
+                            start_time_ns=clock)
+                        open_turn = (span, u["content"])
+                    else:
+                        parent = open_turn[0].span_id if open_turn is not None else root.span_id
+                        args = json.loads(u["tool_arguments"]) if u["tool_arguments"] else None
+                        span = self.client.start_span(f"tool {u['tool_name'] or u['role']}", root.trace_id, parent,
+                                                      span_type="TOOL", inputs={"arguments": args},
+                                                      attributes={"truncated": bool(u["truncated"]),
+                                                                  "error": u["error"] or ""},
+                                                      start_time_ns=clock)
+                        self.client.end_span(root.trace_id, span.span_id, outputs={"observation": u["content"]},
+                                             status="ERROR" if u["tool_ok"] is False else "OK",
+                                             end_time_ns=clock + took)
+                    clock += took
+                if open_turn is not None:
+                    close(open_turn, clock)
+                self.client.end_trace(root.trace_id, outputs={"answer": t["answer"], "ended": t["finish_reason"]},
+                                      end_time_ns=clock)
+                ids.append(root.trace_id)
+            mlflow.flush_trace_async_logging()  # traces are exported in the background: stored before their assessments
+            for trace_id, ep in zip(ids, episodes, strict=True):
+                v = ep["verification"]
+                source = AssessmentSource(source_type="CODE", source_id=v["verifier"])
+                mlflow.log_feedback(trace_id=trace_id, name="reward", value=float(v["reward"] or 0.0), source=source)
+                mlflow.log_feedback(trace_id=trace_id, name="correct", value=bool(v["correct"]), source=source,
+                                    rationale=v["detail"])
+        return ids
+
     def metric_history(self, key: str) -> dict[int, float]:
         """Parent-run metric by round (step), e.g. `evaluate/greedy_acc`."""
         if not self.enabled or not self.parent_run_id:

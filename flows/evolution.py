@@ -86,11 +86,43 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     all_rounds = store.round_summary(cfg.experiment)
     tracker.log_artifact(round_summary(all_rounds, cfg.experiment_dir / "plots" / "round_summary.png",
                                        title=f"{cfg.experiment}: rounds"), artifact_path="plots")
+    _trace_episodes(cfg, store, tracker, round)
     _register_models(cfg, store, tracker, round, {"policy": ("heldout_greedy_acc", s.get("greedy_acc")),
                                                    "prm": ("heldout_prm_step_f1", s.get("prm_step_f1")),
                                                    "orm": ("heldout_greedy_acc", None)})
     tracker.finish_round(round)
     return {"round": round, **{k: v for k, v in s.items() if k != "experiment_id"}}
+
+
+def _trace_episodes(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int) -> None:
+    """A sample of the round's agent episodes (its training episodes; round 0's held-out ones) as MLflow traces."""
+    n = cfg.tracking.trace_episodes
+    if not tracker.enabled or n == 0:
+        return
+    purpose = "eval" if round == 0 else "train"
+    _, ids = store.query("SELECT t.trajectory_id FROM trajectories t WHERE t.experiment_id = ? AND t.round = ? AND "
+                         "t.purpose = ? AND EXISTS (SELECT 1 FROM turns u WHERE u.trajectory_id = t.trajectory_id) "
+                         "ORDER BY hash(t.trajectory_id) LIMIT ?", [cfg.experiment, round, purpose, n])
+    if not ids:
+        return  # not an agent environment's round
+    wanted = [i for (i,) in ids]
+
+    def rows(table: str) -> list[dict[str, Any]]:
+        cols, got = store.query(f"SELECT * FROM {table} WHERE trajectory_id IN (SELECT unnest(?))", [wanted])
+        return [dict(zip(cols, r)) for r in got]
+
+    trajs, turns, vers = rows("trajectories"), rows("turns"), rows("verifications")
+    by = {t["trajectory_id"]: {"trajectory": t, "turns": [], "verification": None} for t in trajs}
+    for u in turns:
+        by[u["trajectory_id"]]["turns"].append(u)
+    for v in vers:
+        by[v["trajectory_id"]]["verification"] = v
+    try:
+        traced = tracker.log_episodes(round, [by[i] for i in wanted if by[i]["verification"] is not None])
+    except Exception as e:  # a sample for reading: its failure costs the traces, not the round
+        get_run_logger().warning(f"round {round}: episodes not logged as MLflow traces: {type(e).__name__}: {e}")
+        return
+    get_run_logger().info(f"round {round}: {len(traced)} episodes logged as MLflow traces")
 
 
 def _register_models(cfg: ExperimentConfig, store: Store, tracker: Tracker, round: int,

@@ -137,6 +137,36 @@ def backend_of(spec: StageSpec, model_uri: str):
     return get_backend(g.backend, model_uri, batch_size=g.batch_size, **real, **g.backend_options)
 
 
+def agent_sampler(backend: Any, model_uri: str, *, temperature: float, top_p: float, max_new_tokens: int, seed: int):
+    """The agent loop's policy on `backend`: its tokenizer's chat template, append-only, within the model's context."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from components.envs.agent import ChatEncoder, ChatSampler
+
+    prompts = getattr(backend, "prompts", None)
+    tok = prompts.tok if prompts is not None else AutoTokenizer.from_pretrained(model_uri)
+    context = getattr(AutoConfig.from_pretrained(model_uri), "max_position_embeddings", None)
+    return ChatSampler(backend, ChatEncoder(tok, model_uri), temperature=temperature, top_p=top_p,
+                       max_new_tokens=max_new_tokens, seed=seed, max_context=context)
+
+
+def sft_examples(spec: StageSpec, trajectories: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What SFT trains on for each trajectory: {"prompt", "completion"}; for an environment's episode, its chat
+    {"messages"} from the stored turns (round 0's from `bootstrap`, later rounds' from `generate`)."""
+    from components.envs.rollout import conversations, is_agent
+
+    if not is_agent(domain_of(spec)):
+        return [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajectories]
+    chats: dict[str, list[dict[str, Any]]] = {}
+    for r in sorted({t["round"] for t in trajectories}):
+        chats |= conversations(spec.rows("bootstrap" if r == 0 else "generate", "turns", round=r))
+    missing = [t["trajectory_id"] for t in trajectories if t["trajectory_id"] not in chats]
+    if missing:
+        raise RuntimeError(f"{spec.stage_run_id}: {len(missing)} selected episodes have no stored turns "
+                           f"(first: {missing[0]}); was the experiment started before its domain was an environment?")
+    return [{"messages": chats[t["trajectory_id"]]} for t in trajectories]
+
+
 def backend_metrics(backend: Any) -> dict[str, float]:
     """What a backend reports of itself: the prompts it cut (`truncated_prompts`, which v_round_summary
     counts) and its engine's counters (`stats()`: vLLM's prefix cache), as `engine_<name>`."""

@@ -21,13 +21,19 @@ def plan(p: Planner) -> Inputs:
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.envs.rollout import conversations, demonstration_episodes, is_agent
     from components.models.tiny import TinyLlamaConfig, create_tiny_llama
     from components.training.data import demonstrations
     from components.training.sft import SFTParams, train_sft
 
     cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
     b = cfg.bootstrap
-    problems, trajs, sels = demonstrations(domain_of(spec), b, spec.seed, spec.experiment)
+    domain = domain_of(spec)
+    problems, trajs, sels = demonstrations(domain, b, spec.seed, spec.experiment)
+    turns: list[dict] = []
+    if is_agent(domain):  # the environment's reference episodes, tool calls and observations included
+        trajs, turns = demonstration_episodes(domain, problems, trajs)
+    episodes = {"turns": turns} if turns else {}  # a text domain's bootstrap writes what it always wrote
     inputs = [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": 0, "use": "new"}
               for t in trajs]
     if b.steps == 0:
@@ -35,7 +41,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         # its dtype and files are the user's); the demonstrations are stored for replay, not trained on.
         row = given_model_row(spec, inp.init_uri)
         log("bootstrap", f"round 0's policy is {row['uri']} as it is; {len(trajs)} demonstrations stored for replay")
-        write(out, models=[row], problems=problems, trajectories=trajs, selections=sels, model_inputs=[])
+        write(out, models=[row], problems=problems, trajectories=trajs, selections=sels, model_inputs=[], **episodes)
         return {"examples": 0.0, "dpo_pairs": 0.0}
     if not trajs:
         raise RuntimeError(f"{spec.stage_run_id}: the bootstrap has no demonstrations; nothing to train on")
@@ -44,7 +50,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         init_dir = out.artifact_dir("init_model")  # kept: the random init is part of the lineage
         init_uri = str(create_tiny_llama(TinyLlamaConfig(**cfg.policy.tiny.model_dump()), init_dir, seed=spec.seed))
         log("bootstrap", f"created a from-scratch tiny Llama at {init_uri}")
-    examples = [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajs]
+    chats = conversations(turns)
+    examples = [{"messages": chats[t["trajectory_id"]]} if turns else {"prompt": t["prompt"], "completion": t["completion"]}
+                for t in trajs]
     model_dir = out.artifact_dir("model")
     log("bootstrap", f"SFT on {len(examples)} examples, {b.steps} steps of batch {b.batch_size}, from {init_uri}")
     metrics = train_sft(init_uri, examples, str(model_dir),
@@ -53,12 +61,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                                                                      b.gradient_accumulation_steps)),
                         progress_callback=train_progress("bootstrap"))
     write(out, models=[model_row(spec, "policy", model_dir, "model", None, len(inputs))], problems=problems,
-          trajectories=trajs, selections=sels, model_inputs=inputs)
+          trajectories=trajs, selections=sels, model_inputs=inputs, **episodes)
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
                                                                                       "dpo_pairs": 0}
 
 
 # Its seed is round 0's `train_policy` seed, as before it was a stage of its own: stored experiments reproduce.
 STAGE = Stage(name="bootstrap", section="bootstrap", gpu=True, reads=(),
-              writes=("problems", "trajectories", "selections", "models", "model_inputs"),
+              writes=("problems", "trajectories", "selections", "models", "model_inputs", "turns"),
               inputs=Inputs, plan=plan, run=run, seed_name="train_policy")

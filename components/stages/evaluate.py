@@ -8,8 +8,9 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, merged_counts,
-                                   reward_scores, steps_by_trajectory, write)
+from components.envs.rollout import is_agent
+from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
+                                    merged_counts, reward_scores, steps_by_trajectory, write)
 
 ROLES = ("prm", "orm", "implicit")
 
@@ -68,12 +69,16 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                     f"{n_samples} samples" + (f", reward-model best-of-{best_of_n}" if best_of_n else "")
                     + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
     backend = backend_of(spec, inp.policy_uri)
-    batch, vers, _ = evaluate(
-        domain, backend, problems, experiment=spec.experiment, round=spec.round,
-        model_id=inp.policy_model_id, maj_k=e.maj_k, temperature=e.temperature,
-        max_new_tokens=e.max_new_tokens, seed=spec.seed, n_samples=n_samples,
-    )
-    tables: dict[str, list[dict[str, Any]]] = {}
+    episodes: dict[str, list[dict[str, Any]]] = {}
+    if is_agent(domain):
+        batch, vers, episodes, stats = _episodes(spec, domain, backend, inp, problems, n_samples)
+    else:
+        batch, vers, _ = evaluate(
+            domain, backend, problems, experiment=spec.experiment, round=spec.round,
+            model_id=inp.policy_model_id, maj_k=e.maj_k, temperature=e.temperature,
+            max_new_tokens=e.max_new_tokens, seed=spec.seed, n_samples=n_samples,
+        )
+    tables: dict[str, list[dict[str, Any]]] = dict(episodes)
     if roles:
         steps = steps_by_trajectory(batch.steps)
         items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"],
@@ -83,8 +88,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         for role in roles:
             score_rows += reward_scores(spec, role, getattr(inp, f"{role}_uri"), getattr(inp, f"{role}_model_id"),
                                         batch.trajectories, steps, reference_uri=inp.reference_uri)
-        tables = {"scores": score_rows, "step_labels": oracle_rows}
-    metrics = backend_metrics(backend)
+        tables |= {"scores": score_rows, "step_labels": oracle_rows}
+    metrics = backend_metrics(backend) | ({f"agent_{k}": v for k, v in stats.items()} if episodes else {})
     if spec.shards > 1:  # the rows are over all shards' trajectories: `merge` computes them
         write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
               verifications=vers, **tables)
@@ -93,6 +98,30 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
           verifications=vers, evaluations=rows, **tables)
     return metrics | row_metrics(rows)
+
+
+def _episodes(spec: StageSpec, env, backend, inp: Inputs, problems: list, n_samples: int):
+    """An environment's held-out episodes: one greedy (sample 0) and `n_samples` sampled per problem, verified by
+    the loop's own outcome; returns them as a GeneratedBatch, their verifications, their turns and the loop's stats."""
+    from components.envs.rollout import EpisodeBatch, run_episodes, verification_rows
+    from components.generation import GeneratedBatch
+
+    e = spec.cfg().evaluate
+    kw = dict(experiment=spec.experiment, round=spec.round, purpose="eval", policy_model_id=inp.policy_model_id,
+              max_new_tokens=e.max_new_tokens)
+    runs = [(0.0, 1, spec.seed, 0)] + ([(e.temperature, n_samples, spec.seed + 1, 1)] if n_samples > 1 else [])
+    batch, stats = EpisodeBatch(), {}
+    for temperature, n, seed, first in runs:
+        sampler = agent_sampler(backend, inp.policy_uri, temperature=temperature, top_p=1.0,
+                                max_new_tokens=e.max_new_tokens, seed=seed)
+        got, s = run_episodes(env, sampler, problems, n=n, seed=seed, temperature=temperature, first_sample_index=first,
+                              **kw)
+        batch.extend(got)
+        stats = {k: stats.get(k, 0.0) + v for k, v in s.items()}
+    stats["env_share"] = stats["env_seconds"] / max(stats["env_seconds"] + stats["gen_seconds"], 1e-9)
+    t = batch.tables
+    return (GeneratedBatch(t["problems"], t["trajectories"], t["steps"]),
+            verification_rows(env, batch, spec.code_version or "dev"), {"turns": t["turns"]}, stats)
 
 
 def evaluation_rows(spec: StageSpec, problems: list, trajectories: list[dict[str, Any]], step_rows: list[dict[str, Any]],
@@ -151,5 +180,6 @@ def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple
 
 
 STAGE = Stage(name="evaluate", section="evaluate", gpu=True, reads=("bootstrap", "train_policy", "train_reward"),
-              writes=("problems", "trajectories", "steps", "verifications", "evaluations", "scores", "step_labels"),
+              writes=("problems", "trajectories", "steps", "verifications", "evaluations", "scores", "step_labels",
+                      "turns"),
               inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

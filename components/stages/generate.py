@@ -10,8 +10,9 @@ from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.seeding import derive_seed
 from components.domains.base import unique_problems
-from components.stages.base import (Planner, PlanningError, Stage, backend_metrics, backend_of, domain_of, log,
-                                   merged_counts, reward_model_of, write)
+from components.envs.rollout import is_agent
+from components.stages.base import (Planner, PlanningError, Stage, agent_sampler, backend_metrics, backend_of,
+                                   domain_of, log, merged_counts, reward_model_of, write)
 
 
 @dataclass
@@ -56,6 +57,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                     + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
     t0 = time.perf_counter()
     backend = backend_of(spec, inp.policy_uri)
+    if is_agent(domain):
+        return _episodes(spec, out, domain, backend, inp, problems, t0)
     search_stats: dict[str, float] = {}
     search = _step_search(spec, domain, backend, inp, search_stats) if inp.search_prm_uri else None
     wave_stats: dict[str, float] = {}
@@ -87,6 +90,29 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     return metrics
 
 
+def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,
+              ) -> dict[str, float]:
+    """An environment's round: `samples_per_problem` episodes per problem, every live one stepped in one batch."""
+    from components.envs.rollout import run_episodes
+
+    g = spec.cfg().generate
+    sampler = agent_sampler(backend, inp.policy_uri, temperature=g.temperature, top_p=g.top_p,
+                            max_new_tokens=g.max_new_tokens, seed=spec.seed)
+    batch, stats = run_episodes(env, sampler, problems, n=g.samples_per_problem, experiment=spec.experiment,
+                                round=spec.round, purpose="train", policy_model_id=inp.policy_model_id, seed=spec.seed,
+                                temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens)
+    dt = time.perf_counter() - t0
+    write(out, **batch.tables)
+    tokens = sum(t["num_tokens"] for t in batch.trajectories)
+    log("generate", f"{len(batch.trajectories)} episodes, {int(stats['assistant_turns'])} assistant turns, "
+                    f"{int(stats['tool_calls'])} tool calls ({int(stats['tool_errors'])} failed), {tokens} tokens in "
+                    f"{dt:.1f}s; {stats['env_share']:.0%} of the loop's time in the environment")
+    return ({"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": tokens,
+             "tokens_per_s": tokens / max(dt, 1e-9), "prompt_tokens": sampler.prompt_tokens,
+             "context_full": sampler.context_full} | {f"agent_{k}": float(v) for k, v in stats.items()}
+            | backend_metrics(backend))
+
+
 def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str, float]):
     """A `sample` function for `generate`: each step drawn until the previous round's PRM accepts it."""
     from components.search import prm_step_search
@@ -113,5 +139,6 @@ def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple
     return merged_counts(shard_metrics, maxed=("adaptive_waves",)), {}
 
 
-STAGE = Stage(name="generate", section="generate", gpu=True, reads=(), writes=("problems", "trajectories", "steps"),
+STAGE = Stage(name="generate", section="generate", gpu=True, reads=(),
+              writes=("problems", "trajectories", "steps", "turns"),
               inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

@@ -8,7 +8,7 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, selected,
+from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, selected, sft_examples,
                                     train_progress, trainer_settings, write)
 
 
@@ -50,7 +50,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     new = selected(spec, spec.round)
     pool = {tid: t for r in range(spec.round) for tid, t in selected(spec, r).items() if tid not in new}
     chosen = replay_mix(new, pool, inp.replay_ratio, spec.seed)
-    examples = [{"prompt": t["prompt"], "completion": t["completion"]} for _, t, _ in chosen]
+    examples = sft_examples(spec, [t for _, t, _ in chosen])
     sft_inputs = [{"model_id": model_id(spec), "trajectory_id": tid, "source_round": t["round"], "use": use}
                   for tid, t, use in chosen]
     log("train_policy", f"{len(new)} new selections + {len(chosen) - len(new)} replayed from {len(pool)} earlier ones")

@@ -1,4 +1,5 @@
-"""`verify`: the domain's outcome verifier (or `verify.verifier`) on every trajectory of the round."""
+"""`verify`: the domain's outcome verifier (or `verify.verifier`) on every trajectory of the round; for an
+environment, its `score` of each episode's answer."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def plan(p: Planner) -> Inputs:
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
+    from components.envs.rollout import is_agent, verify_episodes
     from components.verification import resolve_verifier, verify
 
     cfg, domain = spec.cfg(), domain_of(spec)
@@ -28,9 +30,13 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if spec.shards > 1:
         mine = spec.share(t["problem_id"] for t in trajs)
         trajs = [t for t in trajs if t["problem_id"] in mine]
-    answers = {p["problem_id"]: p["answer"] for p in spec.rows("generate", "problems")}
-    name, fn = resolve_verifier(domain, cfg.verify.verifier)
-    rows = verify(trajs, answers, fn, name=name, version=spec.code_version or "dev")
+    problems = spec.rows("generate", "problems")
+    if is_agent(domain) and cfg.verify.verifier is None:  # the environment runs each episode's answer
+        rows = verify_episodes(domain, trajs, problems, spec.rows("generate", "turns"), spec.code_version or "dev")
+    else:
+        name, fn = resolve_verifier(domain, cfg.verify.verifier)
+        rows = verify(trajs, {p["problem_id"]: p["answer"] for p in problems}, fn, name=name,
+                      version=spec.code_version or "dev")
     write(out, verifications=rows)
     log("verify", f"{sum(1 for r in rows if r['correct'])}/{len(rows)} correct")
     return pass_rates(rows, trajs)

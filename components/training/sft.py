@@ -68,9 +68,11 @@ class SFTParams:
         check_dtype(self.dtype, lora=self.lora is not None, use_cpu=self.use_cpu, where=type(self).__name__)
 
 
-def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, params: SFTParams,
+def train_sft(model_path: str, examples: list[dict[str, Any]], out_dir: str, params: SFTParams,
               progress_callback: ProgressCallback | None = None) -> dict[str, Any]:
-    """Fine-tune the model at `model_path` on {"prompt", "completion"} examples; save it to `out_dir`.
+    """Fine-tune the model at `model_path` on {"prompt", "completion"} examples, or on agent episodes
+    ({"messages"}: chat messages, an assistant's with its sampled `token_ids`), trained on the assistant's tokens
+    alone; save it to `out_dir`.
 
     Returns train_loss (mean over all steps), first_loss / final_loss (first and last logged),
     steps, tokens_seen (non-padding tokens fed, prompts included), runtime_s, tokens_per_s, and
@@ -85,13 +87,17 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
         raise ValueError("train_sft: no examples")
     check_fsdp(params.setting, **{"policy.lora": params.lora is not None})
     model, tok, use_cpu = load_policy_to_train(model_path, params)
-    fmt = params.prompt_format
-    # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
-    eos = tok.eos_token
-    rows = [{"prompt": render_prompt(tok, e["prompt"], fmt),
-             "completion": e["completion"] + ("" if e["completion"].endswith(eos) else eos)} for e in examples]
-    truncation = check_truncation(token_lengths(tok, [r["prompt"] + r["completion"] for r in rows]),
-                                  params.max_length, params.max_truncated_fraction, params.setting)
+    if "messages" in examples[0]:
+        rows = _episode_rows(tok, model_path, examples, params)
+        lengths = [len(r["input_ids"]) for r in rows]
+    else:
+        fmt = params.prompt_format
+        # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
+        eos = tok.eos_token
+        rows = [{"prompt": render_prompt(tok, e["prompt"], fmt),
+                 "completion": e["completion"] + ("" if e["completion"].endswith(eos) else eos)} for e in examples]
+        lengths = token_lengths(tok, [r["prompt"] + r["completion"] for r in rows])
+    truncation = check_truncation(lengths, params.max_length, params.max_truncated_fraction, params.setting)
     ds = datasets.Dataset.from_list(rows)
     peft_config = lora_config(params.lora, model, f"{params.setting}.lora") if params.lora else None
     losses: list[float] = []
@@ -133,6 +139,24 @@ def train_sft(model_path: str, examples: list[dict[str, str]], out_dir: str, par
         "steps": int(result.global_step), "tokens_seen": tokens_seen, "runtime_s": runtime,
         "tokens_per_s": tokens_seen / max(runtime, 1e-9), **truncation, **processes_metric(trainer),
     }
+
+
+def _episode_rows(tok: Any, model_path: str, examples: list[dict[str, Any]], params: SFTParams) -> list[dict[str, Any]]:
+    """Episodes ({"messages"}) as TRL's pre-tokenized rows: the conversation's ids, append-only as the agent loop
+    sampled them, and `assistant_masks`, so the loss falls on the assistant's tokens alone (observations, tool
+    results and the template's headers are masked out)."""
+    from components.envs.agent import ChatEncoder
+
+    if params.prompt_format.kind != "chat":
+        raise ValueError(f"{params.setting}: episodes train with the chat template: set policy.prompt_format=chat")
+    enc = ChatEncoder(tok, model_path)
+    rows = []
+    for i, e in enumerate(examples):
+        ids, mask = enc.encode(e["messages"], add_generation_prompt=False)
+        if not any(mask):
+            raise ValueError(f"{params.setting}: example {i} has no assistant turn to train on")
+        rows.append({"input_ids": ids, "assistant_masks": mask})
+    return rows
 
 
 def _sft_config(SFTConfig, output_dir: str, params: SFTParams, use_cpu: bool, fp16: bool):

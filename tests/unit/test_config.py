@@ -144,3 +144,12 @@ def test_bad_override_syntax():
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found: nope.yaml"):
         load_config("nope.yaml")
+
+
+def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_settings():
+    base = {"experiment": "x", "domain": {"name": "sql"}, "policy": {"model": "m", "prompt_format": "chat"}}
+    assert load_config_dict(base).domain.name == "sql"
+    with pytest.raises(ConfigError, match="sql.*is an agent environment.*policy.prompt_format=chat"):
+        load_config_dict(base | {"policy": {"model": "m"}})
+    with pytest.raises(ConfigError, match="does not support score.mc_rollouts, filter.check_steps yet"):
+        load_config_dict(base | {"score": {"mc_rollouts": 2}, "filter": {"check_steps": True}})

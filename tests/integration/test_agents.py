@@ -1,0 +1,131 @@
+"""An agent environment through the whole pipeline, on a micro config: configs/calculator.yaml on a tiny stand-in
+(`coevo build-model --domain calculator`), one round. Round 0 trains on the environment's reference episodes;
+round 1 samples episodes through the batched loop, verifies them by the environment, keeps the right ones and
+trains on them; each evaluation runs held-out episodes. What is asserted is the mechanics, in the store: every
+turn kept, the sampled ids kept, verification by execution, training inputs traced to their episodes. The
+learning run is configs/calculator.yaml itself (docs/envs.md).
+
+    .venv/bin/python -m pytest tests/integration/test_agents.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from components.config import load_config
+from components.store import Store
+from tests.conftest import REPO, run_coevo
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def agent_run(prefect_server, tmp_path_factory):
+    from flows.evolution import self_evolution
+
+    w = tmp_path_factory.mktemp("agents")
+    model = w / "standin-calculator"
+    run_coevo("build-model", str(model), "--domain", "calculator", "--size", "tiny", "--per-level", "100", check=True)
+    config = REPO / "configs" / "calculator.yaml"
+    # Round 0 learns level 1 (0.83 greedy, measured), so round 1 has right episodes to keep and train on.
+    overrides = [f"workdir={w}", "experiment=calc-micro", "rounds=1", f"policy.model={model}",
+                 "bootstrap.levels=[1]", "bootstrap.seed_levels=[]", "bootstrap.problems_per_level=60",
+                 "bootstrap.steps=300", "generate.problems_per_level=8", "generate.samples_per_problem=3",
+                 "train_policy.steps=5", "evaluate.problems_per_level=6", "evaluate.maj_k=2"]
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    self_evolution(config_path=str(config), overrides=overrides)
+    assert os.environ.get("MLFLOW_TRACKING_URI") == before  # logging traces left the process's MLflow URI alone
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg)
+
+
+def test_every_turn_of_every_episode_is_stored_with_its_sampled_ids(agent_run):
+    cfg, store = agent_run
+    _, rows = store.query(
+        "SELECT t.round, t.purpose, count(DISTINCT t.trajectory_id), count(*) FILTER (WHERE u.role = 'assistant'), "
+        "count(*) FILTER (WHERE u.role = 'assistant' AND u.token_ids IS NULL), "
+        "count(*) FILTER (WHERE u.role = 'system'), count(*) FILTER (WHERE u.role = 'user') "
+        "FROM trajectories t JOIN turns u USING (trajectory_id) WHERE t.experiment_id = ? GROUP BY ALL ORDER BY ALL",
+        [cfg.experiment])
+    by = {(r[0], r[1]): r[2:] for r in rows}
+    assert set(by) == {(0, "demo"), (0, "eval"), (1, "train"), (1, "eval")}
+    n_train = store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND round = 1 AND purpose = "
+                          "'train'", [cfg.experiment])[1][0][0]
+    assert by[(1, "train")][0] == n_train == 8 * 3 * len(json.loads(store.query(
+        "SELECT levels_json FROM round_plans WHERE experiment_id = ? AND round = 1", [cfg.experiment])[1][0][0]))
+    for key, (episodes, assistant, no_ids, system, user) in by.items():
+        assert system == user == episodes, key  # each episode opens with its system and user turns
+        assert assistant >= episodes, key
+        # Sampled turns keep their ids; the reference episodes were written, not sampled.
+        assert no_ids == (assistant if key[1] == "demo" else 0), key
+    # Held-out episodes: one greedy and maj_k sampled per problem.
+    assert by[(1, "eval")][0] == 5 * 6 * (1 + cfg.evaluate.maj_k)
+
+
+def test_episodes_are_verified_by_running_their_answers(agent_run):
+    cfg, store = agent_run
+    # The verify stage re-scored each episode's last turn with the environment: its verdict is the loop's reward.
+    _, rows = store.query(
+        "SELECT v.correct, v.reward, u.reward, t.finish_reason FROM verifications v JOIN trajectories t "
+        "USING (trajectory_id) JOIN turns u USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND "
+        "t.purpose = 'train' AND u.role = 'assistant' AND u.turn_index = (SELECT max(w.turn_index) FROM turns w "
+        "WHERE w.trajectory_id = t.trajectory_id AND w.role = 'assistant')", [cfg.experiment])
+    assert len(rows) == 24
+    assert all(bool(correct) == (status == "done" and reward == 1.0) for correct, _, reward, status in rows)
+    assert all(v == r for _, v, r, status in rows if status == "done")
+    _, names = store.query("SELECT DISTINCT verifier FROM verifications v JOIN trajectories t USING (trajectory_id) "
+                           "WHERE t.experiment_id = ? AND t.round = 1", [cfg.experiment])
+    assert names == [("calculator.score",)]
+    # The demonstrations' tool calls all ran; v_tool_stats counts each round's calls.
+    _, stats = store.query("SELECT tool_name, calls, errors FROM v_tool_stats WHERE experiment_id = ? AND round = 0 "
+                           "AND purpose = 'demo'", [cfg.experiment])
+    assert [(name, errors) for name, _, errors in stats] == [("calculate", 0)] and stats[0][1] > 0
+
+
+def test_training_reads_the_selected_episodes_turns(agent_run):
+    cfg, store = agent_run
+    boot = json.loads(store.committed_run(cfg.experiment, 0, "bootstrap")["metrics_json"])
+    assert boot["truncated"] == 0 and boot["examples"] > 0
+    # Every trajectory the round's policy trained on is an episode with stored turns (demos replayed, or new).
+    _, rows = store.query(
+        "SELECT mi.use, count(*), count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM turns u WHERE "
+        "u.trajectory_id = mi.trajectory_id AND u.role = 'assistant')) FROM model_inputs mi JOIN models m "
+        "USING (model_id) WHERE m.experiment_id = ? AND m.round = 1 GROUP BY ALL", [cfg.experiment])
+    assert rows and all(missing == 0 for _, _, missing in rows), rows
+    tp = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])
+    assert tp["examples"] == sum(n for _, n, _ in rows)
+
+
+def test_the_round_logs_the_loops_figures(agent_run):
+    cfg, store = agent_run
+    gen = json.loads(store.committed_run(cfg.experiment, 1, "generate")["metrics_json"])
+    assert gen["agent_episodes"] == gen["trajectories"] and gen["agent_assistant_turns"] >= gen["trajectories"]
+    assert 0.0 <= gen["agent_env_share"] < 1.0 and gen["tokens"] > 0 and gen["prompt_tokens"] > gen["tokens"]
+
+
+def test_a_sample_of_each_rounds_episodes_lands_in_mlflow_as_traces(agent_run):
+    from mlflow import MlflowClient
+
+    from components.tracking import tracking_uri
+
+    cfg, store = agent_run
+    client = MlflowClient(tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.experiment)
+    run = client.search_runs([exp.experiment_id], filter_string="tags.`coevo.round` = '1'")[0]
+    traces = client.search_traces(experiment_ids=[exp.experiment_id], run_id=run.info.run_id)
+    assert len(traces) == min(cfg.tracking.trace_episodes, 24)  # round 1 sampled 24 episodes
+    for trace in traces:
+        tid = trace.info.tags["coevo.trajectory_id"]
+        turns = store.query("SELECT role, content FROM turns WHERE trajectory_id = ? AND turn_index >= 2 "
+                            "ORDER BY turn_index", [tid])[1]
+        spans = sorted(trace.data.spans, key=lambda s: (s.start_time_ns, s.parent_id is not None))
+        assert [s.name.split()[0] for s in spans[1:]] == ["turn" if r == "assistant" else "tool" for r, _ in turns]
+        assert spans[0].span_type == "AGENT" and {s.span_type for s in spans[1:]} <= {"CHAT_MODEL", "TOOL"}
+        assert [s.outputs for s in spans[1:] if s.span_type == "CHAT_MODEL"] == [
+            {"content": c} for r, c in turns if r == "assistant"]
+        verdict = store.query("SELECT reward, correct FROM verifications WHERE trajectory_id = ?", [tid])[1][0]
+        got = {a.name: a.value for a in trace.search_assessments()}
+        assert got == {"reward": verdict[0], "correct": verdict[1]}
