@@ -78,7 +78,11 @@ sandbox: $(BWRAP)
 $(PREFECT_HOME):
 	@mkdir -p $@
 
+# A config on a stand-in model names the command that builds it in its header (`#   coevo build-model DIR ...`):
+# run builds it first where DIR is missing.
 run: $(STAMP) $(BWRAP) | $(PREFECT_HOME)
+	@build="$$(sed -n 's/^#   coevo build-model /build-model /p' $(CONFIG) | head -1)"; \
+	if [ -n "$$build" ] && [ ! -d "$$(echo $$build | cut -d' ' -f2)" ]; then $(BIN)/coevo $$build; fi
 	$(BIN)/coevo run --config $(CONFIG)
 
 test: $(STAMP) $(VLLM_STAMP) $(BROWSER) $(POSTGRES) $(BWRAP) | $(PREFECT_HOME)
