@@ -30,6 +30,9 @@ from components.envs.rollout import run_episodes  # noqa: E402
 from components.models.backends import get_backend  # noqa: E402
 
 
+MARK = "agents-benchmark:"  # the vLLM side's result line, among the engine's own output
+
+
 def measure(backend_name: str, model: str, episodes: int, max_new_tokens: int, seed: int) -> dict:
     from transformers import AutoConfig
 
@@ -72,7 +75,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.backend != "both":
         row = measure(a.backend, a.model, a.episodes, a.max_new_tokens, a.seed)
-        print(json.dumps(row) if a.json else row)
+        print(f"{MARK} {json.dumps(row)}" if a.json else row, flush=True)
         return
     rows = [measure("hf", a.model, a.episodes, a.max_new_tokens, a.seed)]
     vllm_py = REPO / ".venv-vllm" / "bin" / "python"
@@ -80,7 +83,7 @@ def main() -> None:
         out = subprocess.run([str(vllm_py), __file__, "--backend", "vllm", "--json", "--model", a.model,
                               "--episodes", str(a.episodes), "--max-new-tokens", str(a.max_new_tokens),
                               "--seed", str(a.seed)], capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        rows += [json.loads(line[len(MARK):]) for line in out.stdout.splitlines() if line.startswith(MARK)]
     else:
         print(f"no {vllm_py}: `make vllm` builds it; hf alone is measured", file=sys.stderr)
     print(f"sql environment, {a.episodes} concurrent episodes, up to {a.max_new_tokens} new tokens a turn")
