@@ -180,7 +180,8 @@ def backend_metrics(backend: Any) -> dict[str, float]:
 
 def merged_counts(shard_metrics: list[dict[str, float]], maxed: tuple[str, ...] = ()) -> dict[str, float]:
     """Shards' metrics as one stage's: counts add up; wall times and other `maxed` keys (the shards ran side by
-    side) take the largest; the engine's prefix-cache hit rate is recomputed from its summed counters.
+    side) take the largest; the engine's prefix-cache hit rate and the agent loop's environment share are
+    recomputed from their summed counters.
 
     >>> merged_counts([{"tokens": 5, "mc_seconds": 2.0}, {"tokens": 7, "mc_seconds": 3.0}], maxed=("mc_seconds",))
     {'tokens': 12.0, 'mc_seconds': 3.0}
@@ -189,6 +190,9 @@ def merged_counts(shard_metrics: list[dict[str, float]], maxed: tuple[str, ...] 
     for m in shard_metrics:
         for k, v in m.items():
             out[k] = max(out.get(k, v), v) if k in maxed else out.get(k, 0.0) + float(v)
+    if "agent_env_share" in out:  # an agent loop's share of time in the environment, over all shards' seconds
+        env, gen = out.get("agent_env_seconds", 0.0), out.get("agent_gen_seconds", 0.0)
+        out["agent_env_share"] = env / max(env + gen, 1e-9)
     if "engine_prefix_cache_hit_rate" in out:
         q = out.get("engine_prefix_cache_queries", 0.0)
         out["engine_prefix_cache_hit_rate"] = out.get("engine_prefix_cache_hits", 0.0) / q if q else 0.0
