@@ -115,7 +115,7 @@ def test_a_sample_of_each_rounds_episodes_lands_in_mlflow_as_traces(agent_run):
     client = MlflowClient(tracking_uri(cfg))
     exp = client.get_experiment_by_name(cfg.experiment)
     run = client.search_runs([exp.experiment_id], filter_string="tags.`coevo.round` = '1'")[0]
-    traces = client.search_traces(experiment_ids=[exp.experiment_id], run_id=run.info.run_id)
+    traces = client.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id)
     assert len(traces) == min(cfg.tracking.trace_episodes, 24)  # round 1 sampled 24 episodes
     for trace in traces:
         tid = trace.info.tags["coevo.trajectory_id"]
