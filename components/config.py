@@ -400,7 +400,7 @@ class TrackingConfig(_Section):
     trace_episodes: int = Field(
         20, ge=0, exclude_if=lambda v: v == 20,  # the default leaves older experiments' config hashes as they were
         description="An agent environment's round logs this many of its episodes (a fixed sample by id) as "
-                              "MLflow traces: a span per turn and tool call, reward and verdict as assessments.")
+                    "MLflow traces: a span per turn and tool call, reward and verdict as assessments.")
 
 
 class ImportConfig(_Section):
