@@ -23,6 +23,12 @@ def problem_row(p: Problem, split: str) -> dict[str, Any]:
             "answer": p.answer, "meta_json": json.dumps(p.meta, sort_keys=True), "split": split}
 
 
+def problem_from_row(row: dict[str, Any]) -> Problem:
+    """A `problems` row back as the Problem it was written from, its meta included."""
+    return Problem(row["problem_id"], row["domain"], row["level"], row["prompt"], row["answer"],
+                   json.loads(row.get("meta_json") or "{}"))
+
+
 @dataclass
 class GeneratedBatch:
     problems: list[dict[str, Any]]

@@ -14,8 +14,8 @@ same function on the same text.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeRecord, EpisodeRunner
 from components.envs.records import episode_rows
+from components.generation import problem_from_row
 
 
 def is_agent(domain: Any) -> bool:
@@ -41,10 +42,15 @@ class EpisodeBatch:
     def trajectories(self) -> list[dict[str, Any]]:
         return self.tables["trajectories"]
 
-    def extend(self, other: EpisodeBatch) -> None:
+    def add(self, tables: dict[str, list[dict[str, Any]]]) -> None:
+        """Rows of these tables, each problem once."""
         seen = {p["problem_id"] for p in self.tables["problems"]}
-        for name, rows in other.tables.items():
-            self.tables[name] += [r for r in rows if name != "problems" or r["problem_id"] not in seen]
+        for name in self.tables:
+            self.tables[name] += [r for r in tables.get(name, []) if name != "problems" or r["problem_id"] not in seen]
+            seen |= {r["problem_id"] for r in tables.get(name, []) if name == "problems"}
+
+    def extend(self, other: EpisodeBatch) -> None:
+        self.add(other.tables)
         self.rewards |= other.rewards
         self.records += other.records
 
@@ -58,15 +64,12 @@ def run_episodes(env: Any, generate: Any, problems: list[Problem], *, n: int, ex
     episodes = [(p, env.episode(p)) for p in problems for _ in range(n)]
     records = EpisodeRunner(generate, toolcalls.parse, env.limits).run(episodes)
     batch = EpisodeBatch(records=records)
-    seen: set[str] = set()
     for k, rec in enumerate(records):
         rows = episode_rows(rec, experiment=experiment, round=round, purpose=purpose, policy_model_id=policy_model_id,
                             sample_index=first_sample_index + k % n, temperature=temperature, top_p=top_p,
                             max_new_tokens=max_new_tokens, seed=seed, verifier=f"{env.name}.score",
                             verifier_version="1", answer=env.extract_answer)
-        for name in batch.tables:
-            batch.tables[name] += [r for r in rows[name] if name != "problems" or r["problem_id"] not in seen]
-        seen.add(rec.problem.problem_id)
+        batch.add(rows)
         batch.rewards[rows["trajectories"][0]["trajectory_id"]] = rec.reward
     return batch, episode_stats(records)
 
@@ -79,8 +82,13 @@ def episode_stats(records: list[EpisodeRecord]) -> dict[str, float]:
     out = {"episodes": len(records), "assistant_turns": sum(t.role == "assistant" for t in turns),
            "tool_calls": len(tools), "tool_errors": sum(t.ok is False for t in tools),
            "observations_cut": sum(t.truncated for t in tools), "env_seconds": env_s, "gen_seconds": gen_s,
-           "env_share": env_s / max(env_s + gen_s, 1e-9)}
+           "env_share": env_share(env_s, gen_s)}
     return out | {f"ended_{status}": float(c) for status, c in sorted(ended.items())}
+
+
+def env_share(env_s: float, gen_s: float) -> float:
+    """The share of the loop's wall time spent in the environment rather than generating."""
+    return env_s / max(env_s + gen_s, 1e-9)
 
 
 def final_turns(turns: list[dict[str, Any]]) -> dict[str, str]:
@@ -95,19 +103,20 @@ def final_turns(turns: list[dict[str, Any]]) -> dict[str, str]:
 def verify_episodes(env: Any, trajectories: list[dict[str, Any]], problems: list[dict[str, Any]],
                     turns: list[dict[str, Any]], version: str) -> list[dict[str, Any]]:
     """`verifications` rows: the environment's score of each answered episode's last turn; 0 for the others."""
-    by_id = {p["problem_id"]: Problem(p["problem_id"], p["domain"], p["level"], p["prompt"], p["answer"],
-                                      json.loads(p["meta_json"] or "{}")) for p in problems}
+    by_id = {p["problem_id"]: problem_from_row(p) for p in problems}
     final = final_turns(turns)
-    rows = []
-    for t in trajectories:
-        text = final.get(t["trajectory_id"])
-        if t["finish_reason"] == "done" and text is not None:
-            reward, detail = float(env.score(by_id[t["problem_id"]], text)), f"answer={t['answer']!r}"
-        else:
-            reward, detail = 0.0, f"episode ended {t['finish_reason']}"
-        rows.append({"trajectory_id": t["trajectory_id"], "verifier": f"{env.name}.score", "verifier_version": version,
-                     "correct": reward >= 1.0, "reward": reward, "detail": detail})
-    return rows
+    return [_verification(env, t, version, None if t["trajectory_id"] not in final else
+                          lambda t=t: float(env.score(by_id[t["problem_id"]], final[t["trajectory_id"]])))
+            for t in trajectories]
+
+
+def _verification(env: Any, t: dict[str, Any], version: str, reward: Callable[[], float] | None) -> dict[str, Any]:
+    """An episode's `verifications` row: `reward()` where it ended by answering, else wrong with reward 0."""
+    answered = t["finish_reason"] == "done" and reward is not None
+    r = reward() if answered else 0.0
+    return {"trajectory_id": t["trajectory_id"], "verifier": f"{env.name}.score", "verifier_version": version,
+            "correct": r >= 1.0, "reward": r,
+            "detail": f"answer={t['answer']!r}" if answered else f"episode ended {t['finish_reason']}"}
 
 
 def demonstration_episodes(env: Any, problems: list[dict[str, Any]], trajectories: list[dict[str, Any]],
@@ -120,9 +129,7 @@ def demonstration_episodes(env: Any, problems: list[dict[str, Any]], trajectorie
     by_id = {p["problem_id"]: p for p in problems}
     trajs, turns = [], []
     for t in trajectories:
-        row = by_id[t["problem_id"]]
-        p = Problem(row["problem_id"], row["domain"], row["level"], row["prompt"], row["answer"],
-                    json.loads(row["meta_json"] or "{}"))
+        p = problem_from_row(by_id[t["problem_id"]])
         messages = env.reference_episode(p)
         tool = [m["role"] == "tool" for m in messages]  # the environment's own tools answered them
         rec = EpisodeRecord(p, messages, [Turn(i, m["role"], m["content"], m.get("name") if tool[i] else None,
@@ -156,8 +163,4 @@ def conversations(turns: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
 
 def verification_rows(env: Any, batch: EpisodeBatch, version: str) -> list[dict[str, Any]]:
     """`verifications` rows from the loop's own outcome rewards (the evaluate stage: it holds the records)."""
-    return [{"trajectory_id": t["trajectory_id"], "verifier": f"{env.name}.score", "verifier_version": version,
-             "correct": t["finish_reason"] == "done" and batch.rewards[t["trajectory_id"]] >= 1.0,
-             "reward": batch.rewards[t["trajectory_id"]],
-             "detail": f"answer={t['answer']!r}" if t["finish_reason"] == "done" else f"episode ended {t['finish_reason']}"}
-            for t in batch.trajectories]
+    return [_verification(env, t, version, lambda t=t: batch.rewards[t["trajectory_id"]]) for t in batch.trajectories]

@@ -191,8 +191,9 @@ def merged_counts(shard_metrics: list[dict[str, float]], maxed: tuple[str, ...] 
         for k, v in m.items():
             out[k] = max(out.get(k, v), v) if k in maxed else out.get(k, 0.0) + float(v)
     if "agent_env_share" in out:  # an agent loop's share of time in the environment, over all shards' seconds
-        env, gen = out.get("agent_env_seconds", 0.0), out.get("agent_gen_seconds", 0.0)
-        out["agent_env_share"] = env / max(env + gen, 1e-9)
+        from components.envs.rollout import env_share
+
+        out["agent_env_share"] = env_share(out.get("agent_env_seconds", 0.0), out.get("agent_gen_seconds", 0.0))
     if "engine_prefix_cache_hit_rate" in out:
         q = out.get("engine_prefix_cache_queries", 0.0)
         out["engine_prefix_cache_hit_rate"] = out.get("engine_prefix_cache_hits", 0.0) / q if q else 0.0
@@ -225,10 +226,9 @@ def steps_by_trajectory(steps: list[dict[str, Any]]) -> dict[str, list[str]]:
 
 
 def problems_by_id(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    from components.domains.base import Problem
+    from components.generation import problem_from_row
 
-    return {p["problem_id"]: Problem(p["problem_id"], p["domain"], p["level"], p["prompt"], p["answer"])
-            for p in rows}
+    return {p["problem_id"]: problem_from_row(p) for p in rows}
 
 
 def reward_scores(spec: StageSpec, name: str, uri: str | None, model_id: str | None, trajs: list[dict[str, Any]],

@@ -89,7 +89,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
             score_rows += reward_scores(spec, role, getattr(inp, f"{role}_uri"), getattr(inp, f"{role}_model_id"),
                                         batch.trajectories, steps, reference_uri=inp.reference_uri)
         tables |= {"scores": score_rows, "step_labels": oracle_rows}
-    metrics = backend_metrics(backend) | ({f"agent_{k}": v for k, v in stats.items()} if episodes else {})
+    metrics = backend_metrics(backend) | ({f"agent_{k}": float(v) for k, v in stats.items()} if episodes else {})
     if spec.shards > 1:  # the rows are over all shards' trajectories: `merge` computes them
         write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
               verifications=vers, **tables)
@@ -103,25 +103,23 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 def _episodes(spec: StageSpec, env, backend, inp: Inputs, problems: list, n_samples: int):
     """An environment's held-out episodes: one greedy (sample 0) and `n_samples` sampled per problem, verified by
     the loop's own outcome; returns them as a GeneratedBatch, their verifications, their turns and the loop's stats."""
-    from components.envs.rollout import EpisodeBatch, run_episodes, verification_rows
+    from components.envs.rollout import EpisodeBatch, episode_stats, run_episodes, verification_rows
     from components.generation import GeneratedBatch
 
     e = spec.cfg().evaluate
     kw = dict(experiment=spec.experiment, round=spec.round, purpose="eval", policy_model_id=inp.policy_model_id,
               max_new_tokens=e.max_new_tokens)
     runs = [(0.0, 1, spec.seed, 0)] + ([(e.temperature, n_samples, spec.seed + 1, 1)] if n_samples > 1 else [])
-    batch, stats = EpisodeBatch(), {}
+    batch = EpisodeBatch()
     for temperature, n, seed, first in runs:
         sampler = agent_sampler(backend, inp.policy_uri, temperature=temperature, top_p=1.0,
                                 max_new_tokens=e.max_new_tokens, seed=seed)
-        got, s = run_episodes(env, sampler, problems, n=n, seed=seed, temperature=temperature, first_sample_index=first,
-                              **kw)
-        batch.extend(got)
-        stats = {k: stats.get(k, 0.0) + v for k, v in s.items()}
-    stats["env_share"] = stats["env_seconds"] / max(stats["env_seconds"] + stats["gen_seconds"], 1e-9)
+        batch.extend(run_episodes(env, sampler, problems, n=n, seed=seed, temperature=temperature,
+                                  first_sample_index=first, **kw)[0])
     t = batch.tables
     return (GeneratedBatch(t["problems"], t["trajectories"], t["steps"]),
-            verification_rows(env, batch, spec.code_version or "dev"), {"turns": t["turns"]}, stats)
+            verification_rows(env, batch, spec.code_version or "dev"), {"turns": t["turns"]},
+            episode_stats(batch.records))
 
 
 def evaluation_rows(spec: StageSpec, problems: list, trajectories: list[dict[str, Any]], step_rows: list[dict[str, Any]],
