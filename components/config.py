@@ -219,6 +219,9 @@ class FilterConfig(_Section):
                            "each searched wrong answer's first dead step, a continuation that succeeded from the live "
                            "prefix against the failed one (Step-DPO, MCTS-DPO); train_policy.method dpo or sft+dpo "
                            "trains on them.")
+    max_groups: int | None = Field(
+        None, ge=1, exclude_if=lambda v: v is None,
+        description="recipe grpo: train on at most this many groups whose rewards differ (a seeded sample).")
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
     check_steps: bool = Field(
@@ -239,6 +242,29 @@ class DPOConfig(_Section):
         "previous", description="The frozen reference: the previous round's policy, or the round-0 model.")
     sft_weight: float = Field(0.0, ge=0, description="NLL on the chosen completion added to the loss (RPO).")
     max_length: int = Field(256, ge=2, description="Tokens of prompt + completion; longer pairs are counted.")
+
+
+class GRPOSection(_Section):
+    """Policy-gradient training on the round's groups (recipe grpo; TRL GRPOTrainer, components/training/grpo.py)."""
+
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = Field(
+        "dapo", description="TRL's loss: how token losses are averaged (dapo: over the batch's tokens; grpo: per "
+                            "sequence; dr_grpo: by a constant; bnpo: over the local batch's tokens).")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group", description="Advantage = reward - group mean, divided by the group's std ('group'), the round's "
+                             "('batch'), or not at all ('none', Dr. GRPO).")
+    groups_per_step: int = Field(4, ge=1, description="Groups (problems) per optimizer step.")
+    num_iterations: int = Field(1, ge=1, description="Passes over the round's rollouts (GRPO's mu); each step "
+                                                     "after the first trains on rollouts one step staler.")
+    learning_rate: float = Field(1e-5, gt=0)
+    epsilon: float = Field(0.2, gt=0, description="The importance ratio's clip (PPO), low side.")
+    epsilon_high: float | None = Field(None, gt=0, description="The clip's high side where it differs (DAPO: 0.28).")
+    beta: float = Field(0.0, ge=0, description="KL penalty to the reference; 0 loads no reference.")
+    reference: Literal["previous", "initial"] | None = Field(
+        None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
+
+
+_GRPO_DEFAULT = GRPOSection()
 
 
 class _TrainingProcesses(_Section):
@@ -284,10 +310,11 @@ class _TrainingProcesses(_Section):
 class TrainPolicyConfig(_TrainingProcesses):
     section: ClassVar[str] = "train_policy"
 
-    method: Literal["sft", "dpo", "sft+dpo"] = Field(
+    method: Literal["sft", "dpo", "sft+dpo", "grpo"] = Field(
         "sft", description="'sft' on the selected trajectories; 'dpo' on the filter's pairs; 'sft+dpo' both, "
-                           "SFT first.")
+                           "SFT first; 'grpo', a clipped policy gradient on the round's groups (recipe grpo).")
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    grpo: GRPOSection = Field(default_factory=GRPOSection, exclude_if=lambda v: v == _GRPO_DEFAULT)
     init: Literal["previous", "base"] = Field(
         "previous", description="Continue from the previous round's policy, or restart from the round-0 model (ReST-EM)."
     )
@@ -508,7 +535,8 @@ class ExperimentConfig(_Section):
     recipe: str = Field(
         "rft", description="Which stages a round runs (components/recipes/): 'rft', outcome filter only, no reward "
                            "model (STaR / ReST-EM); 'coevo', a PRM trained on Monte Carlo step labels ranks the "
-                           "data, and policy and PRM improve together; or a dotted path 'pkg.module:RECIPE'.")
+                           "data, and policy and PRM improve together; 'grpo', a group-relative policy gradient "
+                           "on each round's own samples; or a dotted path 'pkg.module:RECIPE'.")
     rounds: int = Field(4, ge=0, description="Self-improvement rounds after round 0 (bootstrap).")
     stage_timeout_s: int = Field(3600, ge=1)
     stage_retries: int = Field(1, ge=0, description="Retries for transient stage failures (killed process, OOM).")
@@ -551,7 +579,7 @@ class ExperimentConfig(_Section):
 
         get_recipe(self.recipe).check(self)
         self._check_agent_environment()
-        if self.train_policy.method != "sft" and not (self.filter.dpo_pairs or self.filter.step_dpo_pairs):
+        if self.train_policy.method not in ("sft", "grpo") and not (self.filter.dpo_pairs or self.filter.step_dpo_pairs):
             raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set "
                              "filter.dpo_pairs=true or filter.step_dpo_pairs=true")
         if self.filter.step_dpo_pairs and (self.score.mc_strategy != "first_error" or self.score.mc_rollouts < 1):
@@ -597,7 +625,7 @@ class ExperimentConfig(_Section):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (Monte Carlo turn labels, "
-                             "reward models and DPO on episodes are still to come); use recipe rft with their defaults")
+                             "reward models, DPO and GRPO on episodes are still to come); use recipe rft with their defaults")
 
     # -- derived -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -63,6 +63,7 @@ def generate(
                 "answer": domain.extract_answer(s.text), "num_tokens": s.num_tokens,
                 "finish_reason": s.finish_reason, "temperature": temperature, "top_p": top_p,
                 "max_new_tokens": max_new_tokens, "seed": seed,
+                "token_ids": None if s.token_ids is None else list(s.token_ids),
             })
             steps.extend(
                 {"trajectory_id": tid, "step_index": k, "text": text}

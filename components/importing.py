@@ -356,7 +356,7 @@ def match_and_verify(trajs: list[ImportedTrajectory], domain: Domain, experiment
             "policy_model_id": None if t.source_model is None else f"external:{t.source_model}",
             "sample_index": per_problem[p.problem_id], "prompt": p.prompt, "completion": completion,
             "answer": domain.extract_answer(completion), "num_tokens": 0, "finish_reason": "import",
-            "temperature": None, "top_p": None, "max_new_tokens": None, "seed": None,
+            "temperature": None, "top_p": None, "max_new_tokens": None, "seed": None, "token_ids": None,
         })
         per_problem[p.problem_id] += 1
         texts = domain.split_steps(completion)

@@ -144,6 +144,9 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("max_new_tokens", INT),
         col("seed", BIGINT),
         _STAGE_RUN,
+        # The completion's ids as sampled, EOS included, where the backend returned them (NULL: references,
+        # imports, agent episodes, whose ids are in `turns`): what grpo trains on.
+        col("token_ids", IDS),
     ),
     _table(
         "steps", ("trajectory_id", "step_index"),
@@ -214,7 +217,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("model_id", STR, null=False),
         col("trajectory_id", STR, null=False),
         col("source_round", INT, null=False),  # the round whose selection it came from
-        col("use", STR, null=False),  # new | replay | dpo_chosen | dpo_rejected | step_dpo_rejected | step_dpo_chosen
+        col("use", STR, null=False),  # new | replay | dpo_chosen | dpo_rejected | step_dpo_rejected | step_dpo_chosen | grpo
         _STAGE_RUN,
     ),
     _table(
@@ -274,6 +277,38 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("latency_s", FLOAT),  # generating an assistant turn, or running a tool
         col("truncated", BOOL),  # an observation cut at the environment's max_observation_chars
         col("token_ids", IDS),  # an assistant turn's ids as sampled, its turn end included: what training reads
+        _STAGE_RUN,
+    ),
+    _table(
+        # A grpo round's learning signal (components.rl), one row per rollout (turn_index -1) and, for an agent's
+        # episode, per assistant turn: its rewards, its group's mean and std, and the advantage train_policy
+        # feeds TRL's loss. `kept` is false for a group the filter dropped (all rewards equal, or over the cap).
+        "advantages", ("trajectory_id", "turn_index"),
+        col("trajectory_id", STR, null=False),
+        col("turn_index", INT, null=False),  # -1: the whole rollout
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("group_id", STR, null=False),  # the problem: a group is its samples_per_problem rollouts
+        col("outcome", FLOAT, null=False),  # the verifier's reward
+        col("shaping", FLOAT, null=False),  # the dense reward added to it (0 without shaping)
+        col("reward", FLOAT, null=False),  # outcome + shaping: what the group normalises
+        col("group_size", INT, null=False),
+        col("group_mean", FLOAT, null=False),
+        col("group_std", FLOAT),  # the sample std (Bessel), as TRL's; NULL for a group of one
+        col("advantage", FLOAT, null=False),
+        col("kept", BOOL, null=False),
+        col("reason", STR, null=False),  # why kept or dropped
+        _STAGE_RUN,
+    ),
+    _table(
+        # What a grpo round's training did to each rollout it trained on: the summed log-probability of the
+        # tokens the model sampled, under the policy that sampled them and under the policy trained on them.
+        "rollout_logprobs", ("model_id", "trajectory_id"),
+        col("model_id", STR, null=False),  # the trained policy
+        col("trajectory_id", STR, null=False),
+        col("tokens", INT, null=False),  # the sampled tokens the sums run over (observations left out)
+        col("old_logprob", FLOAT, null=False),  # under the round's starting policy: the sampler
+        col("new_logprob", FLOAT, null=False),  # under the trained policy
         _STAGE_RUN,
     ),
     _table(

@@ -43,7 +43,8 @@ def episode_rows(record: EpisodeRecord, *, experiment: str, round: int, purpose:
             "sample_index": sample_index, "prompt": user, "completion": transcript(record),
             "answer": (answer or (lambda text: text))(assistant[-1].content) if assistant else None,
             "num_tokens": sum(t.num_tokens or 0 for t in assistant), "finish_reason": record.status,
-            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed}
+            "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
+            "token_ids": None}
     steps = [{"trajectory_id": tid, "step_index": i, "text": t.content} for i, t in enumerate(assistant)]
     turns = [{"trajectory_id": tid, "turn_index": t.turn_index, "role": t.role, "content": t.content,
               "tool_name": t.tool_name, "tool_arguments": t.tool_arguments, "tool_ok": t.ok, "error": t.error,

@@ -21,6 +21,7 @@ from components.instantiate import locate
 RECIPES: dict[str, str] = {
     "rft": "components.recipes.rft:RECIPE",
     "coevo": "components.recipes.coevo:RECIPE",
+    "grpo": "components.recipes.grpo:RECIPE",
     "import": "components.recipes.import_only:RECIPE",
 }
 

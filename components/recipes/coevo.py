@@ -17,6 +17,8 @@ from components.recipes import Recipe
 def check(cfg) -> None:
     if not cfg.train_reward.enabled:
         raise ValueError("recipe 'coevo' trains a PRM each round: set train_reward.enabled=true")
+    if cfg.train_policy.method == "grpo":
+        raise ValueError("train_policy.method=grpo needs the grpo recipe's groups and advantages: set recipe=grpo")
 
 
 RECIPE = Recipe(name="coevo",

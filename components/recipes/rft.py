@@ -15,6 +15,8 @@ from components.recipes import Recipe
 def check(cfg) -> None:
     if cfg.train_reward.enabled:
         raise ValueError("recipe 'rft' uses no reward model: set recipe=coevo, or train_reward.enabled=false")
+    if cfg.train_policy.method == "grpo":
+        raise ValueError("train_policy.method=grpo needs the grpo recipe's groups and advantages: set recipe=grpo")
 
 
 RECIPE = Recipe(name="rft", stages=("generate", "verify", "score", "filter", "train_policy", "evaluate"),

@@ -1,5 +1,6 @@
 """`filter`: choose what the policy trains on (the ranker): right answers, deduplicated, ranked by the
-reward model where the round has one, and optionally DPO pairs."""
+reward model where the round has one, and optionally DPO pairs; under recipe grpo, each rollout's advantage
+and the groups that train."""
 
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     from components.reward_eval import repeated_step_rate
     from components.scoring import outcome_scores
 
-    f = spec.cfg().filter
+    cfg = spec.cfg()
+    f = cfg.filter
     trajs = spec.rows("generate", "trajectories")
     vers = spec.rows("verify", "verifications")
+    if cfg.train_policy.method == "grpo":
+        return grpo_groups(spec, out, trajs, spec.rows("score", "scores") if spec.has("score") else outcome_scores(vers))
     correct = {v["trajectory_id"]: v["correct"] for v in vers}
     scored = spec.has("score")
     score_rows = spec.rows("score", "scores") if scored else outcome_scores(vers)
@@ -86,6 +90,35 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     return metrics
 
 
+def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, Any]],
+                score_rows: list[dict[str, Any]]) -> dict[str, float]:
+    """recipe grpo: every rollout's advantage against its group (`advantages`), and the groups that train
+    (`selections`, purpose grpo): those whose rewards differ, up to filter.max_groups."""
+    from components.rl.advantages import group_advantages, zero_variance_share
+
+    cfg = spec.cfg()
+    outcome = {s["trajectory_id"]: s["value"] for s in score_rows if s["scorer"] == "outcome"}
+    missing = [t["trajectory_id"] for t in trajs if t["trajectory_id"] not in outcome]
+    if missing:
+        raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
+    rows = group_advantages([{"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"],
+                              "outcome": outcome[t["trajectory_id"]]} for t in trajs],
+                            scale=cfg.train_policy.grpo.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed)
+    rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round} for r in rows]
+    selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
+                   "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}
+                  for r in rows]
+    write(out, advantages=rows, selections=selections)
+    groups = {r["group_id"] for r in rows}
+    kept = {r["group_id"] for r in rows if r["kept"]}
+    share = zero_variance_share(rows)
+    log("filter", f"{len(kept)} of {len(groups)} groups train; {share:.0%} had equal rewards"
+                  + ("" if kept else " -- WARNING: no group has a learning signal, the policy carries over"))
+    return {"groups": len(groups), "groups_kept": len(kept), "selected": sum(r["kept"] for r in rows),
+            "considered": len(rows), "zero_variance_share": share,
+            "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1)}
+
+
 def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]],
                    aggregate: str) -> tuple[dict[str, float], str]:
     """What ranks trajectories: a reward model's aggregate where the score stage has one (an outcome
@@ -112,4 +145,4 @@ def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any
 
 
 STAGE = Stage(name="filter", section="filter", gpu=False, reads=("generate", "verify", "score"),
-              writes=("selections",), inputs=Inputs, plan=plan, run=run)
+              writes=("selections", "advantages"), inputs=Inputs, plan=plan, run=run)

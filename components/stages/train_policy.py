@@ -1,5 +1,6 @@
 """`train_policy` (rounds 1+): the trainer. SFT on the round's selections mixed with replayed earlier ones,
-and/or DPO on the filter's pairs; a round that kept nothing carries its policy over unchanged."""
+and/or DPO on the filter's pairs, or (recipe grpo) a clipped policy gradient on the round's groups; a round
+that kept nothing carries its policy over unchanged."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, selected, sft_examples,
-                                    train_progress, trainer_settings, write)
+from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, prompt_format_of, selected,
+                                    sft_examples, train_progress, trainer_settings, write)
 
 
 @dataclass
@@ -25,6 +26,13 @@ def plan(p: Planner) -> Inputs:
     tp = p.cfg.train_policy
     parent = p.model(p.round - 1 if tp.init == "previous" else 0)
     inputs = Inputs(init_uri=parent["uri"], parent_model_id=parent["model_id"], replay_ratio=tp.replay_ratio)
+    if tp.method == "grpo":  # the round's own groups, no replay: on-policy
+        if tp.grpo.beta > 0:
+            ref = p.model(p.round - 1 if tp.grpo.reference == "previous" else 0)
+            inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
+        p.read("generate")
+        p.read("filter")
+        return inputs
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
         inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
@@ -47,6 +55,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
     tp = cfg.train_policy
     model_dir = out.artifact_dir("model")
+    if tp.method == "grpo":
+        return run_grpo(spec, out, inp, model_dir)
     new = selected(spec, spec.round)
     pool = {tid: t for r in range(spec.round) for tid, t in selected(spec, r).items() if tid not in new}
     chosen = replay_mix(new, pool, inp.replay_ratio, spec.seed)
@@ -102,6 +112,57 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                                                                                       "dpo_pairs": len(pairs)}
 
 
+def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) -> dict[str, float]:
+    """TRL's GRPO loss on the groups the filter kept, with the advantages it stored (components/training/grpo.py)."""
+    from components.models.backends import PromptEncoder
+    from components.training.grpo import GRPOParams, train_grpo
+
+    cfg = spec.cfg()
+    g, gen = cfg.train_policy.grpo, cfg.generate
+    adv = {a["trajectory_id"]: a for a in spec.rows("filter", "advantages") if a["turn_index"] == -1 and a["kept"]}
+    trajs = [t for t in spec.rows("generate", "trajectories") if t["trajectory_id"] in adv]
+    if not trajs:
+        log("train_policy", "WARNING: no group has rewards that differ, so no rollout has a learning signal; the "
+                            "policy carries over unchanged")
+        copy_model(inp.init_uri, model_dir)
+        write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, 0)], model_inputs=[],
+              rollout_logprobs=[])
+        return {"steps": 0, "rollouts": 0}
+    encoder = PromptEncoder.from_pretrained(inp.init_uri, None, prompt_format_of(cfg), gen.max_prompt_length,
+                                            cfg.policy.max_truncated_fraction, "generate")
+    prompt_ids = dict(zip(sorted({t["prompt"] for t in trajs}), encoder.encode(sorted({t["prompt"] for t in trajs})),
+                          strict=True))
+    retokenized = 0
+    rollouts = []
+    for t in sorted(trajs, key=lambda t: (t["problem_id"], t["sample_index"])):
+        ids = t["token_ids"]
+        if ids is None:  # a server that returns no ids: the text as the tokenizer reads it, and its EOS
+            retokenized += 1
+            ids = encoder.tok(t["completion"], add_special_tokens=False)["input_ids"] + encoder.eos_ids[:1]
+        a = adv[t["trajectory_id"]]
+        rollouts.append({"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"],
+                         "prompt_ids": prompt_ids[t["prompt"]], "completion_ids": list(ids),
+                         "reward": a["reward"], "advantage": a["advantage"]})
+    settings = trainer_settings(cfg, "train_policy.grpo", cfg.train_policy.max_length)
+    params = GRPOParams(num_generations=gen.samples_per_problem, groups_per_step=g.groups_per_step,
+                        num_iterations=g.num_iterations, learning_rate=g.learning_rate, loss_type=g.loss_type,
+                        beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                        temperature=gen.temperature or 1.0, seed=spec.seed,
+                        **{k: settings[k] for k in ("prompt_format", "dtype", "lora", "gradient_checkpointing",
+                                                    "setting")})
+    log("train_policy", f"GRPO ({g.loss_type}) on {len(rollouts)} rollouts in {len(rollouts) // params.num_generations} "
+                        f"groups, {g.groups_per_step} groups per step, {g.num_iterations} pass(es), from {inp.init_uri}"
+                        + (f", beta {g.beta} to {inp.dpo_reference_model_id}" if g.beta > 0 else ""))
+    metrics, logprobs = train_grpo(inp.init_uri, inp.dpo_reference_uri, rollouts, str(model_dir), params,
+                                   progress_callback=train_progress("train_policy"))
+    mid = model_id(spec)
+    write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, len(rollouts))],
+          model_inputs=[{"model_id": mid, "trajectory_id": r["trajectory_id"], "source_round": spec.round,
+                         "use": "grpo"} for r in rollouts],
+          rollout_logprobs=[{"model_id": mid} | r for r in logprobs])
+    return {k: float(v) for k, v in metrics.items()} | {"retokenized": retokenized}
+
+
 def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
     """This round's DPO pairs ({"prompt", "chosen", "rejected"}), trajectory-level then step-level, and their
     `model_inputs` rows (a trajectory once, at its first use)."""
@@ -138,4 +199,4 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, A
 
 STAGE = Stage(name="train_policy", section="train_policy", gpu=True,
               reads=("bootstrap", "import", "generate", "filter", "score"),
-              writes=("models", "model_inputs"), inputs=Inputs, plan=plan, run=run)
+              writes=("models", "model_inputs", "rollout_logprobs"), inputs=Inputs, plan=plan, run=run)

@@ -43,7 +43,7 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
 # migrated by the first writer); 2 is the DuckLake; 3 adds agent episodes (`turns`, `v_episodes`,
 # `v_tool_stats`), which the first writer of a version-2 store adds; 4 adds `turns.token_ids`. An older store's
 # first writer adds the tables and columns it lacks. A higher version was made by a newer coevo.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 
@@ -81,7 +81,7 @@ WITH gen AS (
     FROM trajectories t JOIN verifications v USING (trajectory_id)
     WHERE t.purpose = 'train' GROUP BY ALL
 ), sel AS (
-    SELECT experiment_id, round, count(*) FILTER (WHERE selected AND purpose = 'policy_sft') AS selected,
+    SELECT experiment_id, round, count(*) FILTER (WHERE selected AND purpose IN ('policy_sft', 'grpo')) AS selected,
            count(*) FILTER (WHERE selected AND purpose = 'dpo_chosen') AS dpo_pairs
     FROM selections GROUP BY ALL
 ), mc AS (
@@ -178,7 +178,49 @@ JOIN trajectories t USING (trajectory_id)
 LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selected
     AND sel.purpose = CASE WHEN m.role IN ('prm', 'orm') THEN 'reward_train'
                            WHEN mi.use LIKE 'dpo_%' THEN mi.use WHEN mi.use = 'step_dpo_rejected' THEN 'step_dpo'
-                           ELSE 'policy_sft' END;
+                           WHEN mi.use = 'grpo' THEN 'grpo' ELSE 'policy_sft' END;
+
+CREATE OR REPLACE VIEW v_rl_round AS
+-- A grpo round's learning signal: its groups and rewards (the filter's `advantages`), and what training did
+-- with them (train_policy's metrics, from TRL's logs, and `rollout_logprobs`).
+WITH r AS (
+    SELECT a.experiment_id, a.round, a.group_id, a.reward, a.outcome, a.advantage, a.kept, a.group_std,
+           t.num_tokens, v.correct
+    FROM advantages a JOIN trajectories t USING (trajectory_id) LEFT JOIN verifications v USING (trajectory_id)
+    WHERE a.turn_index = -1
+), g AS (
+    SELECT experiment_id, round, group_id, bool_or(coalesce(correct, false)) AS solved,
+           coalesce(max(group_std), 0) < 1e-6 AS zero_variance, bool_or(kept) AS kept, count(*) AS k
+    FROM r GROUP BY ALL
+), rs AS (
+    SELECT experiment_id, round, count(*) AS rollouts, count(*) FILTER (WHERE kept) AS rollouts_trained,
+           avg(reward) AS reward_mean, avg(outcome) AS outcome_mean, avg(num_tokens) AS response_length,
+           avg(abs(advantage)) FILTER (WHERE kept) AS mean_abs_advantage
+    FROM r GROUP BY ALL
+), gs AS (
+    SELECT experiment_id, round, count(*) AS groups, count(*) FILTER (WHERE kept) AS groups_trained,
+           max(k) AS group_size, avg(solved::INTEGER) AS pass_at_k, avg(zero_variance::INTEGER) AS zero_variance_share
+    FROM g GROUP BY ALL
+), tr AS (
+    SELECT experiment_id, round, metrics_json AS m FROM stage_runs
+    WHERE stage = 'train_policy' AND status = 'committed'
+), lp AS (
+    SELECT m.experiment_id, m.round, sum(l.old_logprob - l.new_logprob) / sum(l.tokens) AS policy_shift
+    FROM rollout_logprobs l JOIN models m USING (model_id) GROUP BY ALL
+)
+SELECT rs.experiment_id, rs.round, gs.groups, gs.group_size, gs.groups_trained, rs.rollouts, rs.rollouts_trained,
+       rs.reward_mean, gs.pass_at_k, gs.zero_variance_share, rs.mean_abs_advantage, rs.response_length,
+       TRY_CAST(json_extract(tr.m, '$.steps') AS INTEGER) AS optimizer_steps,
+       TRY_CAST(json_extract(tr.m, '$.entropy') AS DOUBLE) AS entropy,
+       TRY_CAST(json_extract(tr.m, '$.kl') AS DOUBLE) AS kl,
+       TRY_CAST(json_extract(tr.m, '$.clip_ratio') AS DOUBLE) AS clip_fraction,
+       TRY_CAST(json_extract(tr.m, '$.staleness_mean') AS DOUBLE) AS staleness_mean,
+       TRY_CAST(json_extract(tr.m, '$.staleness_max') AS INTEGER) AS staleness_max,
+       lp.policy_shift
+FROM rs JOIN gs USING (experiment_id, round)
+LEFT JOIN tr USING (experiment_id, round)
+LEFT JOIN lp USING (experiment_id, round)
+ORDER BY rs.experiment_id, rs.round;
 
 CREATE OR REPLACE VIEW v_episodes AS
 -- One row per agent episode: its turns, tool calls and their errors, tokens, time and outcome.
@@ -849,7 +891,7 @@ def experiment_filter(table: str) -> str:
     """A SQL condition, with one `?` for the experiment id, that picks the table's rows of one experiment."""
     if table == "problems":
         return "problem_id IN (SELECT problem_id FROM trajectories WHERE experiment_id = ?)"
-    if table == "model_inputs":
+    if table in ("model_inputs", "rollout_logprobs"):
         return "model_id IN (SELECT model_id FROM models WHERE experiment_id = ?)"
     if table == "stage_jobs":
         return "stage_run_id IN (SELECT stage_run_id FROM stage_runs WHERE experiment_id = ?)"

@@ -34,6 +34,7 @@ def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
             "problem_id": p.problem_id, "level": p.level, "policy_model_id": None, "sample_index": 0,
             "prompt": p.prompt, "completion": domain.reference_solution(p), "answer": p.answer, "num_tokens": 0,
             "finish_reason": "reference", "temperature": None, "top_p": None, "max_new_tokens": None, "seed": None,
+            "token_ids": None,
         })
         sels.append({"trajectory_id": tid, "experiment_id": experiment, "round": 0, "purpose": "policy_sft",
                      "selected": True, "rank": 0, "reason": "gold demonstration", "pair_id": None})

@@ -16,7 +16,8 @@ def _traj(i: int, round: int = 1) -> dict:
     return {"trajectory_id": f"t{round}-{i}", "experiment_id": "e", "round": round, "purpose": "train",
             "problem_id": f"p{i}", "level": 1, "policy_model_id": "e/policy/r0", "sample_index": 0,
             "prompt": "1+1\n", "completion": "1+1=2\n#### 2\n", "answer": "2", "num_tokens": 13,
-            "finish_reason": "stop", "temperature": 0.8, "top_p": 1.0, "max_new_tokens": 32, "seed": 7}
+            "finish_reason": "stop", "temperature": 0.8, "top_p": 1.0, "max_new_tokens": 32, "seed": 7,
+            "token_ids": None}
 
 
 def _job(tmp: Path, ref: StageRunRef, n: int) -> Path:

@@ -184,7 +184,7 @@ def test_a_commit_holds_its_rows_to_its_own_round_and_checks_keys_there(tmp_path
     traj = {"trajectory_id": "t1", "experiment_id": "e", "round": 1, "purpose": "train", "problem_id": "p0",
             "level": 1, "policy_model_id": None, "sample_index": 0, "prompt": "1+1", "completion": "2",
             "answer": "2", "num_tokens": 1, "finish_reason": "stop", "temperature": 1.0, "top_p": 1.0,
-            "max_new_tokens": 8, "seed": 1}
+            "max_new_tokens": 8, "seed": 1, "token_ids": None}
     step = {"trajectory_id": "t1", "step_index": 0, "text": "2"}
     _commit(s, tmp_path, StageRunRef("e", 1, "generate", 1), {"trajectories": [traj], "steps": [step]})
     verdict = {"trajectory_id": "t1", "verifier": "exact", "verifier_version": "1", "correct": True, "reward": 1.0,

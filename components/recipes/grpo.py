@@ -1,0 +1,48 @@
+"""`grpo`: online RL in rounds. Each round samples groups, verifies and scores them, computes group-relative
+advantages, and trains a clipped policy gradient with TRL's GRPOTrainer on them (Shao et al. 2024; DAPO).
+
+    coevo run --config configs/micro-grpo.yaml
+
+- generate: `samples_per_problem` rollouts per problem, a group, with the sampled token ids stored;
+- verify, score: the outcome reward;
+- filter: each rollout's advantage (`advantages` in the store); groups whose rewards are all equal are dropped
+  (DAPO's dynamic sampling), and `filter.max_groups` caps the rest;
+- train_policy (`method: grpo`): `train_policy.grpo`'s loss on the kept groups, starting from the policy that
+  sampled them;
+- evaluate.
+
+docs/grpo.md has the SQL that explains an advantage and what a round measured.
+"""
+
+from __future__ import annotations
+
+from components.recipes import Recipe
+
+
+def check(cfg) -> None:
+    tp, where = cfg.train_policy, "recipe 'grpo'"
+    if tp.method != "grpo":
+        raise ValueError(f"{where} trains a policy gradient: set train_policy.method=grpo")
+    if cfg.generate.samples_per_problem < 2:
+        raise ValueError(f"{where} compares each rollout with its group: set generate.samples_per_problem >= 2 "
+                         f"(got {cfg.generate.samples_per_problem})")
+    if tp.grpo.beta > 0 and tp.grpo.reference is None:
+        raise ValueError(f"train_policy.grpo.beta={tp.grpo.beta} needs a reference model: set "
+                         "train_policy.grpo.reference to 'previous' or 'initial', or beta=0")
+    if tp.init != "previous":
+        raise ValueError(f"{where} trains the policy that sampled the round: set train_policy.init=previous")
+    if cfg.generate.top_p != 1.0:
+        raise ValueError(f"{where}: the clipped ratio divides by the sampler's probabilities, which top_p "
+                         f"truncates: set generate.top_p=1.0 (got {cfg.generate.top_p})")
+    bad = {"train_reward.enabled": cfg.train_reward.enabled, "generate.search": cfg.generate.search is not None,
+           "generate.until_correct": cfg.generate.until_correct is not None,
+           "filter.dpo_pairs": cfg.filter.dpo_pairs, "filter.step_dpo_pairs": cfg.filter.step_dpo_pairs,
+           "train_policy.processes": tp.processes > 1}
+    if any(bad.values()):
+        raise ValueError(f"{where} does not use {', '.join(k for k, v in bad.items() if v)}: leave them at their "
+                         "defaults")
+
+
+RECIPE = Recipe(name="grpo", stages=("generate", "verify", "score", "filter", "train_policy", "evaluate"),
+                description="group-relative policy gradient on each round's own samples (TRL GRPOTrainer)",
+                check=check)

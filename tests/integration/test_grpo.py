@@ -1,0 +1,119 @@
+"""recipe grpo through the whole pipeline, on configs/micro-grpo.yaml made smaller: a short bootstrap, then two
+rounds that sample groups, store every advantage, and train TRL's loss on them. What is asserted is the
+bookkeeping, in the store: the advantages SQL recomputes from the stored rewards, the ones TRL trained on,
+`v_rl_round`, the lineage, and a round whose groups all have equal rewards, which trains nothing. The learning
+runs are in benchmarks/ (docs/grpo.md).
+
+    .venv/bin/python -m pytest tests/integration/test_grpo.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.config import load_config
+from components.store import Store
+from tests.conftest import REPO, assert_plans_read_what_they_declare
+
+pytestmark = pytest.mark.slow
+
+CONFIG = REPO / "configs" / "micro-grpo.yaml"
+SMALL = ["bootstrap.problems_per_level=300", "bootstrap.steps=250", "generate.problems_per_level=8",
+         "evaluate.problems_per_level=10", "evaluate.maj_k=1"]
+# The advantage of every rollout, recomputed from the verifier's stored rewards (docs/grpo.md).
+RECOMPUTED = """
+SELECT a.trajectory_id, a.advantage,
+       (s.value - avg(s.value) OVER g) / (coalesce(stddev_samp(s.value) OVER g, 0) + 1e-4) AS from_sql
+FROM advantages a JOIN trajectories t USING (trajectory_id)
+JOIN scores s ON s.trajectory_id = a.trajectory_id AND s.scorer = 'outcome'
+WHERE a.experiment_id = ? AND a.turn_index = -1
+WINDOW g AS (PARTITION BY t.experiment_id, t.round, t.problem_id)
+"""
+
+
+@pytest.fixture(scope="module")
+def grpo_run(prefect_server, tmp_path_factory):
+    from flows.evolution import self_evolution
+
+    w = tmp_path_factory.mktemp("grpo")
+    overrides = [f"workdir={w}", *SMALL]
+    self_evolution(config_path=str(CONFIG), overrides=overrides)
+    cfg = load_config(CONFIG, overrides)
+    store = Store.for_config(cfg)
+    # Greedy sampling: every group's rollouts are one and the same answer, so no group has a signal.
+    model = store.committed_model(cfg.experiment, 0, "policy")
+    flat = [f"workdir={w}", *SMALL, "experiment=micro-grpo-flat", "rounds=1", "generate.temperature=0",
+            f"policy.model={model['uri']}", "bootstrap.steps=0"]
+    self_evolution(config_path=str(CONFIG), overrides=flat)
+    return cfg, store, load_config(CONFIG, flat)
+
+
+def test_each_round_is_a_row_of_v_rl_round(grpo_run):
+    cfg, store, _ = grpo_run
+    cols, rows = store.query("SELECT * FROM v_rl_round WHERE experiment_id = ? ORDER BY round", [cfg.experiment])
+    rounds = [dict(zip(cols, r)) for r in rows]
+    assert [r["round"] for r in rounds] == [1, 2]
+    g = cfg.train_policy.grpo
+    for r in rounds:
+        levels = json.loads(store.query("SELECT levels_json FROM round_plans WHERE experiment_id = ? AND round = ?",
+                                        [cfg.experiment, r["round"]])[1][0][0])
+        assert r["groups"] == 8 * len(levels) and r["group_size"] == 8 and r["rollouts"] == 8 * r["groups"]
+        assert r["rollouts_trained"] == 8 * r["groups_trained"] > 0
+        assert r["zero_variance_share"] == pytest.approx(1 - r["groups_trained"] / r["groups"])
+        assert 0 < r["reward_mean"] < 1 and r["pass_at_k"] >= r["groups_trained"] / r["groups"]
+        steps = r["groups_trained"] * g.num_iterations // g.groups_per_step
+        assert r["optimizer_steps"] == steps and r["staleness_max"] == steps - 1
+        assert 0 <= r["clip_fraction"] <= 1 and r["entropy"] > 0 and r["policy_shift"] is not None
+        assert r["kl"] is None or r["kl"] != r["kl"]  # beta 0: TRL computes no KL
+
+
+def test_sql_recomputes_every_advantage_and_trl_trained_on_them(grpo_run):
+    cfg, store, _ = grpo_run
+    _, rows = store.query(RECOMPUTED, [cfg.experiment])
+    assert len(rows) == store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train'",
+                                    [cfg.experiment])[1][0][0]
+    assert max(abs(adv - sql) for _, adv, sql in rows) < 1e-9
+    _, metrics = store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id = ? AND stage = "
+                             "'train_policy' AND round > 0 AND status = 'committed' ORDER BY round", [cfg.experiment])
+    for _, m in metrics:
+        m = json.loads(m)
+        assert m["advantage_gap"] < 1e-5  # TRL's own group advantages agree with the stored ones it trained on
+        assert m["retokenized"] == 0  # hf returns the sampled ids: training read them, not a re-tokenization
+
+
+def test_lineage_names_the_rollouts_and_their_logprobs(grpo_run):
+    cfg, store, _ = grpo_run
+    _, rows = store.query(
+        "SELECT l.trained_round, count(*), count(*) FILTER (WHERE l.selected_for = 'grpo'), "
+        "count(*) FILTER (WHERE l.generated_by_model_id = p.parent_model_id), count(lp.trajectory_id), "
+        "count(*) FILTER (WHERE t.token_ids IS NULL) "
+        "FROM v_lineage l JOIN models p ON p.model_id = l.trained_model_id "
+        "JOIN trajectories t USING (trajectory_id) "
+        "LEFT JOIN rollout_logprobs lp ON lp.model_id = l.trained_model_id AND lp.trajectory_id = l.trajectory_id "
+        "WHERE l.experiment_id = ? AND l.role = 'policy' AND l.trained_round > 0 GROUP BY ALL ORDER BY ALL",
+        [cfg.experiment])
+    assert [r[0] for r in rows] == [1, 2]
+    for _, n, selected, by_parent, logprobs, no_ids in rows:
+        # Every rollout trained on was kept by the filter, sampled by the policy training started from, has its
+        # two log-probabilities, and its sampled ids.
+        assert n == selected == by_parent == logprobs > 0 and no_ids == 0
+
+
+def test_a_round_without_signal_trains_nothing_and_goes_on(grpo_run):
+    _, store, flat = grpo_run
+    cols, rows = store.query("SELECT * FROM v_rl_round WHERE experiment_id = ?", [flat.experiment])
+    r = dict(zip(cols, rows[0]))
+    assert r["zero_variance_share"] == 1.0 and r["groups_trained"] == 0 and r["optimizer_steps"] == 0
+    _, models = store.query("SELECT train_examples FROM models WHERE experiment_id = ? AND round = 1",
+                            [flat.experiment])
+    assert models == [(0,)]
+    _, evaluated = store.query("SELECT count(*) FROM evaluations WHERE experiment_id = ? AND round = 1",
+                               [flat.experiment])
+    assert evaluated[0][0] > 0
+
+
+def test_plans_read_what_they_declare(grpo_run, tmp_path):
+    cfg, store, _ = grpo_run
+    assert_plans_read_what_they_declare(cfg, store, tmp_path)

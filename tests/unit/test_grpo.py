@@ -1,0 +1,123 @@
+"""recipe grpo's pieces: group advantages, the config's refusals, and TRL's GRPO loss on stored rollouts.
+
+    .venv/bin/python -m pytest tests/unit/test_grpo.py -q
+
+The trainer runs on a real tiny model, on rollouts sampled from it: the test measures, with its own forward
+pass, that the update raised the log-probability of the rollouts with positive advantages against the ones
+with negative advantages, and that the advantages TRL trained on are the stored ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from components.config import load_config, load_config_dict
+from components.domains.arith import ArithDomain
+from components.models.backends import HFBackend
+from components.models.tiny import TinyLlamaConfig, create_tiny_llama
+from components.rl.advantages import group_advantages
+from components.training.grpo import GRPOParams, check_rollouts, train_grpo
+
+DOMAIN = ArithDomain()
+SMALL = TinyLlamaConfig(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=192)
+GRPO = {"recipe": "grpo", "train_policy": {"method": "grpo"}, "generate": {"samples_per_problem": 4, "top_p": 1.0}}
+
+
+def _cfg(**sections):
+    body = {"experiment": "g", **GRPO}
+    for k, v in sections.items():
+        body[k] = body.get(k, {}) | v if isinstance(v, dict) else v
+    return load_config_dict(body)
+
+
+def test_micro_grpo_config_loads(repo):
+    cfg = load_config(repo / "configs" / "micro-grpo.yaml")
+    assert cfg.recipe == "grpo" and cfg.train_policy.method == "grpo" and cfg.generate.samples_per_problem == 8
+
+
+@pytest.mark.parametrize("sections, says", [
+    ({"generate": {"samples_per_problem": 1}}, "generate.samples_per_problem >= 2"),
+    ({"train_policy": {"method": "grpo", "grpo": {"beta": 0.04}}}, "train_policy.grpo.reference"),
+    ({"generate": {"samples_per_problem": 4, "top_p": 0.9}}, "generate.top_p=1.0"),
+    ({"train_policy": {"method": "grpo", "init": "base"}}, "train_policy.init=previous"),
+    ({"recipe": "rft"}, "set recipe=grpo"),
+    ({"train_policy": {"method": "sft"}}, "train_policy.method=grpo"),
+])
+def test_config_refuses_what_grpo_cannot_train(sections, says):
+    with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
+        _cfg(**sections)
+
+
+def test_beta_with_a_reference_loads():
+    cfg = _cfg(train_policy={"method": "grpo", "grpo": {"beta": 0.04, "reference": "initial"}})
+    assert cfg.train_policy.grpo.beta == 0.04
+
+
+def test_a_config_without_grpo_hashes_as_before():
+    """The grpo section and filter.max_groups are left out of the config's content at their defaults."""
+    cfg = load_config_dict({"experiment": "x"})
+    assert "grpo" not in cfg.to_dict()["train_policy"] and "max_groups" not in cfg.to_dict()["filter"]
+
+
+def test_advantages_follow_trl_and_refuse_bad_rewards():
+    rows = [{"trajectory_id": f"{g}{i}", "group_id": g, "outcome": r}
+            for g, rewards in (("a", [1, 0, 0, 0]), ("b", [1, 1, 1, 1]), ("c", [0, 1, 1, 0])) for i, r in enumerate(rewards)]
+    out = {r["trajectory_id"]: r for r in group_advantages(rows)}
+    std = math.sqrt(0.25 * 4 / 3 * 0.75)  # sample std of [1, 0, 0, 0]
+    assert out["a0"]["advantage"] == pytest.approx(0.75 / (std + 1e-4))
+    assert out["b0"]["advantage"] == 0 and not out["b0"]["kept"] and "no signal" in out["b0"]["reason"]
+    assert out["a0"]["group_mean"] == 0.25 and out["a0"]["group_size"] == 4
+    none = {r["trajectory_id"]: r["advantage"] for r in group_advantages(rows, scale="none")}
+    assert none["a0"] == 0.75 and none["c0"] == -0.5
+    capped = group_advantages(rows, max_groups=1, seed=3)
+    assert sum(r["kept"] for r in capped) == 4 and any("max_groups=1" in r["reason"] for r in capped)
+    with pytest.raises(ValueError, match=r"rollout a1: its outcome reward is nan"):
+        group_advantages([rows[0], {**rows[1], "outcome": float("nan")}])
+
+
+def test_rollouts_are_checked_by_name():
+    r = {"group_id": "g", "prompt_ids": [1], "completion_ids": [2, 3], "reward": 1.0, "advantage": 0.5}
+    with pytest.raises(ValueError, match="group g has 1 rollouts, expected num_generations=2"):
+        check_rollouts([r | {"trajectory_id": "a"}], 2)
+    with pytest.raises(ValueError, match="rollout a has 3 advantages for 2 completion tokens"):
+        check_rollouts([r | {"trajectory_id": "a", "advantage": [1.0, 1.0, 1.0]}], 1)
+    with pytest.raises(ValueError, match=r"rollout a is missing \['reward'\]"):
+        check_rollouts([{k: v for k, v in r.items() if k != "reward"} | {"trajectory_id": "a"}], 1)
+    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+        GRPOParams(num_generations=1)
+
+
+def test_trl_trains_on_the_stored_advantages(tmp_path, one_torch_thread):
+    """Rollouts sampled from a tiny model, rewarded by a rule the model can move towards (end the answer
+    early): after the update, the rollouts with positive advantages gained log-probability against the
+    others, and TRL's advantages equal the stored ones."""
+    init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
+    backend = HFBackend(init, batch_size=64, progress=False)
+    problems = DOMAIN.sample_problems(2, 8, seed=0)
+    prompt_ids = backend.prompts.encode([p.prompt for p in problems])
+    samples = backend.generate_ids(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
+    rollouts = []
+    for p, ids, group in zip(problems, prompt_ids, samples, strict=True):
+        for j, s in enumerate(group):
+            rollouts.append({"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
+                             "completion_ids": list(s.token_ids), "outcome": float(j % 2 == 0)})
+    adv = {a["trajectory_id"]: a for a in group_advantages(rollouts)}
+    for r in rollouts:
+        r |= {"reward": adv[r["trajectory_id"]]["reward"], "advantage": adv[r["trajectory_id"]]["advantage"]}
+    metrics, rows = train_grpo(init, None, rollouts, str(tmp_path / "out"),
+                               GRPOParams(num_generations=4, groups_per_step=2, num_iterations=2, learning_rate=3e-3,
+                                          use_cpu=True))
+    assert metrics["steps"] == 8 and metrics["rollouts"] == 32 and metrics["groups"] == 8
+    assert metrics["advantage_gap"] < 1e-5
+    assert metrics["staleness_max"] == 7 and metrics["staleness_mean"] == 3.5
+    assert 0 <= metrics["clip_ratio"] <= 1 and metrics["entropy"] > 0
+    moved = {r["trajectory_id"]: (r["new_logprob"] - r["old_logprob"]) / r["tokens"] for r in rows}
+    up = [moved[t] for t, a in adv.items() if a["advantage"] > 0]
+    down = [moved[t] for t, a in adv.items() if a["advantage"] < 0]
+    gap = sum(up) / len(up) - sum(down) / len(down)
+    print(f"log-probability per token: positive advantages {sum(up) / len(up):+.3f}, negative {sum(down) / len(down):+.3f}")
+    assert gap > 0.05, (up, down)
+    assert (tmp_path / "out" / "model.safetensors").exists()
