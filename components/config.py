@@ -620,12 +620,12 @@ class ExperimentConfig(_Section):
                        "generate.search": self.generate.search is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
-                       "train_policy.method": self.train_policy.method != "sft",
+                       "train_policy.method": self.train_policy.method not in ("sft", "grpo"),
                        "evaluate.best_of_n": bool(self.evaluate.best_of_n)}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (Monte Carlo turn labels, "
-                             "reward models, DPO and GRPO on episodes are still to come); use recipe rft with their defaults")
+                             "reward models and DPO on episodes are still to come); use recipe rft with their defaults")
 
     # -- derived -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

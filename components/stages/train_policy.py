@@ -9,8 +9,8 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, copy_model, log, model_id, model_row, prompt_format_of, selected,
-                                    sft_examples, train_progress, trainer_settings, write)
+from components.stages.base import (Planner, Stage, copy_model, domain_of, log, model_id, model_row, prompt_format_of,
+                                    selected, sft_examples, train_progress, trainer_settings, write)
 
 
 @dataclass
@@ -114,12 +114,14 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) -> dict[str, float]:
     """TRL's GRPO loss on the groups the filter kept, with the advantages it stored (components/training/grpo.py)."""
+    from components.envs.rollout import is_agent
     from components.models.backends import PromptEncoder
-    from components.training.grpo import GRPOParams, train_grpo
+    from components.training.grpo import episode_rollout
 
     cfg = spec.cfg()
-    g, gen = cfg.train_policy.grpo, cfg.generate
-    adv = {a["trajectory_id"]: a for a in spec.rows("filter", "advantages") if a["turn_index"] == -1 and a["kept"]}
+    gen = cfg.generate
+    rows = [a for a in spec.rows("filter", "advantages") if a["kept"]]
+    adv = {a["trajectory_id"]: a for a in rows if a["turn_index"] == -1}
     trajs = [t for t in spec.rows("generate", "trajectories") if t["trajectory_id"] in adv]
     if not trajs:
         log("train_policy", "WARNING: no group has rewards that differ, so no rollout has a learning signal; the "
@@ -130,11 +132,27 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
         return {"steps": 0, "rollouts": 0}
     encoder = PromptEncoder.from_pretrained(inp.init_uri, None, prompt_format_of(cfg), gen.max_prompt_length,
                                             cfg.policy.max_truncated_fraction, "generate")
+    trajs.sort(key=lambda t: (t["problem_id"], t["sample_index"]))
+    if is_agent(domain_of(spec)):  # episodes: the conversation as sampled, observations masked out
+        from components.envs.agent import ChatEncoder
+        from components.envs.rollout import conversations
+
+        chats = conversations(spec.rows("generate", "turns"))
+        turn_adv: dict[str, dict[int, float]] = {}
+        for a in rows:
+            if a["turn_index"] >= 0:
+                turn_adv.setdefault(a["trajectory_id"], {})[a["turn_index"]] = a["advantage"]
+        chat = ChatEncoder(encoder.tok, inp.init_uri)
+        rollouts = [episode_rollout(chat, t["trajectory_id"], t["problem_id"], chats[t["trajectory_id"]],
+                                    adv[t["trajectory_id"]]["reward"],
+                                    [v for _, v in sorted(turn_adv.get(t["trajectory_id"], {}).items())])
+                    for t in trajs]
+        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0)
     prompt_ids = dict(zip(sorted({t["prompt"] for t in trajs}), encoder.encode(sorted({t["prompt"] for t in trajs})),
                           strict=True))
     retokenized = 0
     rollouts = []
-    for t in sorted(trajs, key=lambda t: (t["problem_id"], t["sample_index"])):
+    for t in trajs:
         ids = t["token_ids"]
         if ids is None:  # a server that returns no ids: the text as the tokenizer reads it, and its EOS
             retokenized += 1
@@ -143,6 +161,15 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
         rollouts.append({"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"],
                          "prompt_ids": prompt_ids[t["prompt"]], "completion_ids": list(ids),
                          "reward": a["reward"], "advantage": a["advantage"]})
+    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized)
+
+
+def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir, rollouts: list[dict[str, Any]],
+                retokenized: int) -> dict[str, float]:
+    from components.training.grpo import GRPOParams, train_grpo
+
+    cfg = spec.cfg()
+    g, gen = cfg.train_policy.grpo, cfg.generate
     settings = trainer_settings(cfg, "train_policy.grpo", cfg.train_policy.max_length)
     params = GRPOParams(num_generations=gen.samples_per_problem, groups_per_step=g.groups_per_step,
                         num_iterations=g.num_iterations, learning_rate=g.learning_rate, loss_type=g.loss_type,

@@ -114,6 +114,29 @@ def check_rollouts(rollouts: list[dict[str, Any]], group_size: int) -> dict[str,
     return groups
 
 
+def episode_rollout(encoder: Any, trajectory_id: str, group_id: str, messages: list[dict[str, Any]], reward: float,
+                    turn_advantages: list[float]) -> dict[str, Any]:
+    """An agent's episode as a rollout: its conversation as `encoder` (a ChatEncoder) tokenizes it, append-only,
+    the ids before the first assistant token its prompt and the rest its completion, with `env_mask` 1 on the
+    assistant's sampled tokens only. `turn_advantages` has one advantage per assistant turn, in order; where they
+    differ each turn's tokens get their own (a per-token list), else the one number."""
+    ids, mask = encoder.encode(messages, add_generation_prompt=False)
+    if 1 not in mask:
+        raise ValueError(f"train_grpo: episode {trajectory_id} has no assistant turn to train on")
+    first = mask.index(1)
+    env_mask = mask[first:]
+    starts = [i for i, m in enumerate(env_mask) if m and (i == 0 or not env_mask[i - 1])]
+    if len(starts) != len(turn_advantages):
+        raise ValueError(f"train_grpo: episode {trajectory_id} has {len(starts)} assistant turns in its tokens and "
+                         f"{len(turn_advantages)} turn advantages")
+    advantage: float | list[float] = turn_advantages[0]
+    if len(set(turn_advantages)) > 1:
+        turn = [sum(s <= i for s in starts) - 1 for i in range(len(env_mask))]
+        advantage = [float(turn_advantages[max(k, 0)]) for k in turn]
+    return {"trajectory_id": trajectory_id, "group_id": group_id, "prompt_ids": ids[:first],
+            "completion_ids": ids[first:], "env_mask": env_mask, "reward": reward, "advantage": advantage}
+
+
 def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[str, Any]], out_dir: str,
                params: GRPOParams, progress_callback: ProgressCallback | None = None
                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:

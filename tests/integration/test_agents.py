@@ -42,6 +42,53 @@ def agent_run(prefect_server, tmp_path_factory):
     return cfg, Store.for_config(cfg)
 
 
+@pytest.fixture(scope="module")
+def agent_grpo(agent_run):
+    """recipe grpo on the same environment, from agent_run's round-0 policy: one round of groups of episodes."""
+    from flows.evolution import self_evolution
+
+    cfg, store = agent_run
+    model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
+    config = REPO / "configs" / "calculator.yaml"
+    overrides = [f"workdir={cfg.workdir}", "experiment=calc-grpo", "rounds=1", "recipe=grpo",
+                 f"policy.model={model}", "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
+                 "bootstrap.problems_per_level=60", "generate.problems_per_level=6", "generate.samples_per_problem=4",
+                 "generate.temperature=1.0", "train_policy.method=grpo", "train_policy.grpo.groups_per_step=2",
+                 "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1"]
+    self_evolution(config_path=str(config), overrides=overrides)
+    grpo = load_config(config, overrides)
+    return grpo, Store.for_config(grpo)
+
+
+def test_grpo_trains_an_episode_on_its_own_tokens_with_each_turn_credited(agent_grpo):
+    cfg, store = agent_grpo
+    _, rows = store.query(
+        "SELECT a.trajectory_id, count(DISTINCT a.turn_index) FILTER (WHERE a.turn_index >= 0), "
+        "count(DISTINCT u.turn_index), "
+        "bool_and(a.advantage = r.advantage) "
+        "FROM advantages a JOIN advantages r ON r.trajectory_id = a.trajectory_id AND r.turn_index = -1 "
+        "JOIN turns u ON u.trajectory_id = a.trajectory_id AND u.role = 'assistant' "
+        "WHERE a.experiment_id = ? GROUP BY ALL", [cfg.experiment])
+    assert len(rows) == store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train'",
+                                    [cfg.experiment])[1][0][0]
+    # One row per assistant turn, each credited with its episode's advantage (outcome-only credit).
+    assert all(turn_rows == turns and same for _, turn_rows, turns, same in rows)
+    _, [(steps, gap, trained, logprobs, tokens, assistant_tokens)] = store.query(
+        "SELECT json_extract(s.metrics_json, '$.steps')::DOUBLE, json_extract(s.metrics_json, '$.advantage_gap')::DOUBLE, "
+        "(SELECT count(*) FROM model_inputs i JOIN models m USING (model_id) WHERE m.experiment_id = s.experiment_id "
+        " AND m.round = 1 AND i.use = 'grpo'), "
+        "(SELECT count(*) FROM rollout_logprobs l JOIN models m USING (model_id) WHERE m.experiment_id = s.experiment_id), "
+        "(SELECT sum(l.tokens) FROM rollout_logprobs l JOIN models m USING (model_id) "
+        " WHERE m.experiment_id = s.experiment_id), "
+        "(SELECT sum(u.num_tokens) FROM turns u JOIN rollout_logprobs l USING (trajectory_id) JOIN models m "
+        " USING (model_id) WHERE m.experiment_id = s.experiment_id AND u.role = 'assistant') "
+        "FROM stage_runs s WHERE s.experiment_id = ? AND s.stage = 'train_policy' AND s.round = 1 "
+        "AND s.status = 'committed'", [cfg.experiment])
+    assert trained == logprobs > 0 and steps >= 1 and gap < 1e-5
+    # The log-probabilities run over the tokens the model sampled, never the tool's observations.
+    assert tokens == assistant_tokens
+
+
 def test_every_turn_of_every_episode_is_stored_with_its_sampled_ids(agent_run):
     cfg, store = agent_run
     _, rows = store.query(

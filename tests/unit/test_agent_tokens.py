@@ -123,3 +123,23 @@ def test_a_template_that_rewrites_the_assistants_text_is_refused(standin):
                         {"role": "assistant", "content": " 4 "}])
     finally:
         tok.chat_template = original
+
+
+def test_grpo_sees_an_episode_as_prompt_then_masked_completion_with_each_turns_advantage(standin):
+    """An episode as recipe grpo hands it to TRL: the ids before the first assistant token are the prompt, the
+    rest the completion with env_mask on the assistant's tokens, and each turn's tokens carry its own advantage."""
+    from components.training.grpo import episode_rollout
+
+    enc = ChatEncoder(standin.tok, "standin")
+    messages = get_env("calculator").reference_episode(get_env("calculator").sample_problems(3, 1, seed=2)[0])
+    ids, mask = enc.encode(messages, add_generation_prompt=False)
+    r = episode_rollout(enc, "t", "g", messages, 1.0, [0.5, -0.25])
+    assert r["prompt_ids"] + r["completion_ids"] == ids and r["env_mask"] == mask[len(r["prompt_ids"]):]
+    assert r["env_mask"][0] == 1 and 1 not in mask[:len(r["prompt_ids"])]
+    turns = [a for a, m in zip(r["advantage"], r["env_mask"], strict=True) if m]
+    first_turn = len(standin.tok([m for m in messages if m["role"] == "assistant"][0]["content"],
+                                 add_special_tokens=False)["input_ids"]) + 1  # its content and turn end
+    assert turns == [0.5] * first_turn + [-0.25] * (len(turns) - first_turn)
+    assert episode_rollout(enc, "t", "g", messages, 1.0, [0.5, 0.5])["advantage"] == 0.5
+    with pytest.raises(ValueError, match="episode t has 2 assistant turns in its tokens and 1 turn advantages"):
+        episode_rollout(enc, "t", "g", messages, 1.0, [0.5])
