@@ -262,6 +262,12 @@ class GRPOSection(_Section):
     beta: float = Field(0.0, ge=0, description="KL penalty to the reference; 0 loads no reference.")
     reference: Literal["previous", "initial"] | None = Field(
         None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
+    shaping_weight: float = Field(
+        0.0, ge=0, description="Dense reward: this weight times the round's reward-model score (score.reward_model, "
+                               "e.g. implicit) is added to each rollout's outcome reward before the group normalises "
+                               "it; 0: outcome only.")
+    shaping_aggregate: Literal["min", "mean", "last"] = Field(
+        "mean", description="Which of the reward model's step-score aggregates shapes the reward.")
 
 
 _GRPO_DEFAULT = GRPOSection()

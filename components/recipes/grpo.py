@@ -29,6 +29,10 @@ def check(cfg) -> None:
     if tp.grpo.beta > 0 and tp.grpo.reference is None:
         raise ValueError(f"train_policy.grpo.beta={tp.grpo.beta} needs a reference model: set "
                          "train_policy.grpo.reference to 'previous' or 'initial', or beta=0")
+    if tp.grpo.shaping_weight > 0 and cfg.score.reward_model in ("none", "prm", "orm"):
+        raise ValueError(f"train_policy.grpo.shaping_weight={tp.grpo.shaping_weight} shapes the reward with the round's "
+                         "reward-model scores: set score.reward_model=implicit (or a reward model by dotted path); "
+                         "a trained PRM or ORM under grpo is still to come")
     if tp.init != "previous":
         raise ValueError(f"{where} trains the policy that sampled the round: set train_policy.init=previous")
     if cfg.generate.top_p != 1.0:

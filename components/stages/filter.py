@@ -94,22 +94,32 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
                 score_rows: list[dict[str, Any]]) -> dict[str, float]:
     """recipe grpo: every rollout's advantage against its group (`advantages`), and the groups that train
     (`selections`, purpose grpo): those whose rewards differ, up to filter.max_groups."""
+    from components.envs.rollout import is_agent
     from components.rl.advantages import group_advantages, zero_variance_share
 
     cfg = spec.cfg()
+    g = cfg.train_policy.grpo
     outcome = {s["trajectory_id"]: s["value"] for s in score_rows if s["scorer"] == "outcome"}
     missing = [t["trajectory_id"] for t in trajs if t["trajectory_id"] not in outcome]
     if missing:
         raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
+    shaping: dict[str, float] = {}
+    if g.shaping_weight > 0:
+        dense, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], g.shaping_aggregate)
+        if dense:
+            shaping = {t: g.shaping_weight * v for t, v in dense.items()}
+            log("filter", f"rewards shaped by {g.shaping_weight} x {source}")
+        else:  # the implicit PRM's first round: the policy is its own reference, every log-ratio 0
+            log("filter", "no reward-model scores this round: rewards are the outcome alone")
     rows = group_advantages([{"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"],
-                              "outcome": outcome[t["trajectory_id"]]} for t in trajs],
-                            scale=cfg.train_policy.grpo.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed)
+                              "outcome": outcome[t["trajectory_id"]], "shaping": shaping.get(t["trajectory_id"], 0.0)}
+                             for t in trajs], scale=g.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed)
     rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round} for r in rows]
-    if spec.has("generate") and (turns := spec.rows("generate", "turns")):
+    if is_agent(domain_of(spec)):
         # An agent's episode: each assistant turn is credited with its episode's advantage (outcome-only credit;
         # the turn's tokens train on it, its observations are masked out).
         by_tid = {r["trajectory_id"]: r for r in rows}
-        rows += [by_tid[u["trajectory_id"]] | {"turn_index": u["turn_index"]} for u in turns
+        rows += [by_tid[u["trajectory_id"]] | {"turn_index": u["turn_index"]} for u in spec.rows("generate", "turns")
                  if u["role"] == "assistant" and u["trajectory_id"] in by_tid]
     selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
                    "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}

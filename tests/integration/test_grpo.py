@@ -1,5 +1,6 @@
 """recipe grpo through the whole pipeline, on configs/micro-grpo.yaml made smaller: a short bootstrap, then two
-rounds that sample groups, store every advantage, and train TRL's loss on them. What is asserted is the
+rounds that sample groups, store every advantage (round 2's rewards shaped by the implicit PRM), and train TRL's
+loss on them. What is asserted is the
 bookkeeping, in the store: the advantages SQL recomputes from the stored rewards, the ones TRL trained on,
 `v_rl_round`, the lineage, and a round whose groups all have equal rewards, which trains nothing. The learning
 runs are in benchmarks/ (docs/grpo.md).
@@ -22,14 +23,23 @@ pytestmark = pytest.mark.slow
 CONFIG = REPO / "configs" / "micro-grpo.yaml"
 SMALL = ["bootstrap.problems_per_level=300", "bootstrap.steps=250", "generate.problems_per_level=8",
          "evaluate.problems_per_level=10", "evaluate.maj_k=1"]
-# The advantage of every rollout, recomputed from the verifier's stored rewards (docs/grpo.md).
+# Round 2's rewards are shaped by the implicit PRM (round 1's policy against round 0's); round 1 has none yet.
+SHAPED = ["score.reward_model=implicit", "train_policy.grpo.shaping_weight=0.5"]
+# The advantage of every rollout, recomputed from the stored scores: the verifier's outcome plus 0.5 times the
+# implicit PRM's mean step reward where it scored (docs/grpo.md).
 RECOMPUTED = """
-SELECT a.trajectory_id, a.advantage,
-       (s.value - avg(s.value) OVER g) / (coalesce(stddev_samp(s.value) OVER g, 0) + 1e-4) AS from_sql
-FROM advantages a JOIN trajectories t USING (trajectory_id)
-JOIN scores s ON s.trajectory_id = a.trajectory_id AND s.scorer = 'outcome'
-WHERE a.experiment_id = ? AND a.turn_index = -1
-WINDOW g AS (PARTITION BY t.experiment_id, t.round, t.problem_id)
+WITH r AS (
+    SELECT t.trajectory_id, t.experiment_id, t.round, t.problem_id,
+           max(s.value) FILTER (WHERE s.scorer = 'outcome')
+           + coalesce(0.5 * max(s.value) FILTER (WHERE s.scorer = 'implicit' AND s.aggregate = 'mean'), 0) AS reward
+    FROM trajectories t JOIN scores s USING (trajectory_id)
+    WHERE t.experiment_id = ? AND t.purpose = 'train' AND s.step_index = -1 GROUP BY ALL
+)
+SELECT a.trajectory_id, a.round, a.shaping, a.advantage,
+       (r.reward - avg(r.reward) OVER g) / (coalesce(stddev_samp(r.reward) OVER g, 0) + 1e-4) AS from_sql
+FROM advantages a JOIN r USING (trajectory_id)
+WHERE a.turn_index = -1
+WINDOW g AS (PARTITION BY r.experiment_id, r.round, r.problem_id)
 """
 
 
@@ -38,7 +48,7 @@ def grpo_run(prefect_server, tmp_path_factory):
     from flows.evolution import self_evolution
 
     w = tmp_path_factory.mktemp("grpo")
-    overrides = [f"workdir={w}", *SMALL]
+    overrides = [f"workdir={w}", *SMALL, *SHAPED]
     self_evolution(config_path=str(CONFIG), overrides=overrides)
     cfg = load_config(CONFIG, overrides)
     store = Store.for_config(cfg)
@@ -62,7 +72,9 @@ def test_each_round_is_a_row_of_v_rl_round(grpo_run):
         assert r["groups"] == 8 * len(levels) and r["group_size"] == 8 and r["rollouts"] == 8 * r["groups"]
         assert r["rollouts_trained"] == 8 * r["groups_trained"] > 0
         assert r["zero_variance_share"] == pytest.approx(1 - r["groups_trained"] / r["groups"])
-        assert 0 < r["reward_mean"] < 1 and r["pass_at_k"] >= r["groups_trained"] / r["groups"]
+        if r["round"] == 1:  # unshaped: a group trains exactly where one of its rollouts is right and one wrong
+            assert r["pass_at_k"] >= r["groups_trained"] / r["groups"] and 0 < r["reward_mean"] < 1
+        assert 0 < r["pass_at_k"] <= 1
         steps = r["groups_trained"] * g.num_iterations // g.groups_per_step
         assert r["optimizer_steps"] == steps and r["staleness_max"] == steps - 1
         assert 0 <= r["clip_fraction"] <= 1 and r["entropy"] > 0 and r["policy_shift"] is not None
@@ -74,7 +86,10 @@ def test_sql_recomputes_every_advantage_and_trl_trained_on_them(grpo_run):
     _, rows = store.query(RECOMPUTED, [cfg.experiment])
     assert len(rows) == store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train'",
                                     [cfg.experiment])[1][0][0]
-    assert max(abs(adv - sql) for _, adv, sql in rows) < 1e-9
+    assert max(abs(adv - sql) for _, _, _, adv, sql in rows) < 1e-9
+    # Round 1's policy is the implicit PRM's reference itself: no shaping. Round 2's rewards are shaped.
+    assert all(shaping == 0 for _, rnd, shaping, _, _ in rows if rnd == 1)
+    assert sum(shaping != 0 for _, rnd, shaping, _, _ in rows if rnd == 2) > 0.9 * sum(rnd == 2 for _, rnd, *_ in rows)
     _, metrics = store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id = ? AND stage = "
                              "'train_policy' AND round > 0 AND status = 'committed' ORDER BY round", [cfg.experiment])
     for _, m in metrics:

@@ -45,6 +45,7 @@ def test_micro_grpo_config_loads(repo):
     ({"train_policy": {"method": "grpo", "init": "base"}}, "train_policy.init=previous"),
     ({"recipe": "rft"}, "set recipe=grpo"),
     ({"train_policy": {"method": "sft"}}, "train_policy.method=grpo"),
+    ({"train_policy": {"method": "grpo", "grpo": {"shaping_weight": 0.5}}}, "score.reward_model=implicit"),
 ])
 def test_config_refuses_what_grpo_cannot_train(sections, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
