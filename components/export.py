@@ -19,7 +19,8 @@ from components.store import Store, StoreError, experiment_filter
 # Table -> how its rows belong to an experiment (a SQL condition with one `?` for the experiment id).
 TABLES: dict[str, str] = {t: experiment_filter(t) for t in (
     "experiments", "stage_runs", "stage_jobs", "round_plans", "problems", "trajectories", "steps", "verifications", "step_labels",
-    "step_pairs", "scores", "selections", "models", "evaluations", "trajectory_sources", "turns",
+    "step_pairs", "scores", "selections", "models", "evaluations", "trajectory_sources", "turns", "advantages",
+    "rollout_logprobs",
 )}
 FORMATS = ("parquet", "hf")
 

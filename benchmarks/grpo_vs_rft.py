@@ -1,0 +1,92 @@
+"""Does recipe grpo reach rft's accuracy on fewer generated tokens? Arith at micro scale, the arms side by side.
+
+    .venv/bin/python benchmarks/grpo_vs_rft.py --workdir /tmp/grpo-bench --seeds 0 1 --rounds 4
+
+Per seed, `rft` runs configs/micro.yaml (its bootstrap, then `--rounds` rounds); every other arm starts from that
+run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start from the same model:
+- `grpo`: configs/micro-grpo.yaml as shipped (DAPO loss, 32 problems per level x 8 rollouts, lr 2e-5, 2 passes);
+- `grpo-lr1e-4`: the same at learning rate 1e-4.
+
+Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
+reports. Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
+greedy accuracy on level 3 (the hardest) by round, and the issue's figure: the tokens grpo needed to first reach
+rft's final level-3 accuracy, as a share of rft's (goal: at most 0.7), or "never". Written to `--out` (JSON) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+ARMS = {
+    "rft": ("configs/micro.yaml", []),
+    "grpo": ("configs/micro-grpo.yaml", []),
+    "grpo-lr1e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=1e-4"]),
+}
+HARDEST = 3
+
+
+def _run(config: str, overrides: list[str], log: Path) -> None:
+    cmd = [str(REPO / ".venv" / "bin" / "coevo"), "run", "--config", str(REPO / config)]
+    for o in overrides:
+        cmd += ["--set", o]
+    with log.open("w") as f:
+        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def _rows(store, experiment: str) -> list[dict]:
+    cols, rows = store.query("SELECT round, generated_tokens, greedy_acc_by_level FROM v_round_summary "
+                             "WHERE experiment_id = ? ORDER BY round", [experiment])
+    out, total = [], 0
+    for r in (dict(zip(cols, row)) for row in rows):
+        total += r["generated_tokens"] or 0
+        out.append({"round": r["round"], "tokens": total, "hardest": r["greedy_acc_by_level"].get(HARDEST)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/grpo-bench"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from components.store import Store
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    report = {}
+    for seed in args.seeds:
+        base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}"]
+        for arm, (config, extra) in ARMS.items():
+            exp = f"bench-{arm}-s{seed}"
+            start = []
+            if arm != "rft":
+                model = Store(args.workdir / "store").committed_model(f"bench-rft-s{seed}", 0, "policy")
+                start = [f"policy.model={model['uri']}", "bootstrap.steps=0"]
+            print(f"[bench] seed {seed}: {arm}", flush=True)
+            _run(config, [*base, f"experiment={exp}", *extra, *start], args.workdir / f"{exp}.log")
+            report.setdefault(arm, {})[seed] = _rows(Store(args.workdir / "store"), exp)
+    print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative generated tokens)")
+    for arm, seeds in report.items():
+        for seed, rows in seeds.items():
+            print(f"{arm:12s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['tokens']})" for r in rows))
+    print("\nthe issue's figure: tokens to first reach rft's final level-3 accuracy, as a share of rft's (goal <= 0.7)")
+    for arm in [a for a in report if a != "rft"]:
+        for seed in args.seeds:
+            rft = report["rft"][seed]
+            target, budget = rft[-1]["hardest"], rft[-1]["tokens"]
+            hit = next((r for r in report[arm][seed] if r["round"] > 0 and r["hardest"] >= target), None)
+            share = "never" if hit is None else f"{hit['tokens'] / budget:.2f}"
+            print(f"{arm:12s} seed {seed}: rft's final {target:.3f} at {budget} tokens; {arm}: {share}")
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
