@@ -35,7 +35,7 @@ from typing import Any
 from components.models.prompts import RAW, PromptFormat
 from components.training.common import (ProgressCallback, check_dtype, keep_safetensors_only, load_policy_to_train,
                                         quiet_datasets, save_trained)
-from components.training.lora import LoraParams, load_causal_lm, lora_config, save_lora
+from components.training.lora import LoraParams, lora_config, save_lora
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 KEYS = ("trajectory_id", "group_id", "prompt_ids", "completion_ids", "reward", "advantage")
@@ -161,7 +161,6 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
     accumulate = min(params.groups_per_step, n_groups)
     max_steps = n_groups * params.num_iterations // accumulate
     model, tok, use_cpu = load_policy_to_train(model_path, params)
-    ref_model = load_causal_lm(ref_model_path, model.dtype) if params.beta > 0 and ref_model_path else None
     old = sequence_logprobs(model, rollouts, params.temperature, tok.pad_token_id)
     ds = datasets.Dataset.from_list([{"prompt": tok.decode(gr[0]["prompt_ids"]), "group_id": gid}
                                      for gid, gr in groups.items()])
@@ -226,13 +225,19 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
             dataloader_num_workers=0, dataloader_pin_memory=not use_cpu, log_completions=False,
         )
         peft_config = lora_config(params.lora, model, f"{params.setting}.lora") if params.lora else None
-        with warnings.catch_warnings(), quiet_datasets():
-            warnings.filterwarnings("ignore", category=UserWarning)
-            trainer = StoredRolloutTrainer(model=model, reward_funcs=[stored_reward], args=args, train_dataset=ds,
-                                           processing_class=tok, callbacks=[_Record()], peft_config=peft_config,
-                                           rollout_func=rollout_func)
-            if ref_model is not None:
-                trainer.ref_model = trainer.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        # With beta > 0, TRL loads the reference from the policy's config name and readies it as it readies the
+        # policy (its fused log-prob head, dropout off): pointed at ref_model_path for that, it loads ours.
+        own_name = model.config._name_or_path
+        if params.beta > 0 and ref_model_path:
+            model.config._name_or_path = ref_model_path
+        try:
+            with warnings.catch_warnings(), quiet_datasets():
+                warnings.filterwarnings("ignore", category=UserWarning)
+                trainer = StoredRolloutTrainer(model=model, reward_funcs=[stored_reward], args=args,
+                                               train_dataset=ds, processing_class=tok, callbacks=[_Record()],
+                                               peft_config=peft_config, rollout_func=rollout_func)
+        finally:
+            model.config._name_or_path = own_name
         trainer.remove_callback(PrinterCallback)
         t0 = time.perf_counter()
         with warnings.catch_warnings():

@@ -122,3 +122,24 @@ def test_trl_trains_on_the_stored_advantages(tmp_path, one_torch_thread):
     print(f"log-probability per token: positive advantages {sum(up) / len(up):+.3f}, negative {sum(down) / len(down):+.3f}")
     assert gap > 0.05, (up, down)
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_beta_pulls_towards_the_reference_it_names(tmp_path, one_torch_thread):
+    """beta > 0: TRL's KL is measured against the reference given. The policy as its own reference starts at KL 0;
+    another model (a different random init) is far from it."""
+    init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
+    other = str(create_tiny_llama(SMALL, tmp_path / "other", seed=1))
+    backend = HFBackend(init, batch_size=64, progress=False)
+    problems = DOMAIN.sample_problems(2, 4, seed=0)
+    prompt_ids = backend.prompts.encode([p.prompt for p in problems])
+    samples = backend.generate_ids(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
+    rollouts = [{"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
+                 "completion_ids": list(s.token_ids), "reward": float(j % 2), "advantage": 1.0 if j % 2 else -1.0}
+                for p, ids, group in zip(problems, prompt_ids, samples, strict=True) for j, s in enumerate(group)]
+    kl = {}
+    for name, ref in (("self", init), ("other", other)):
+        metrics, _ = train_grpo(init, ref, rollouts, str(tmp_path / name),
+                                GRPOParams(num_generations=4, groups_per_step=2, beta=0.04, learning_rate=1e-3,
+                                           use_cpu=True))
+        kl[name] = metrics["kl"]
+    assert 0 <= kl["self"] < kl["other"] / 5, kl
