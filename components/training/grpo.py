@@ -30,6 +30,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from components.models.prompts import RAW, PromptFormat
@@ -194,8 +195,8 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
             width = out["completion_ids"].shape[1]
             ours = [by_tid[t]["advantage"] for t in batch["tids"]]
             if any(isinstance(a, list) for a in ours):  # per-token credit: a (batch, tokens) advantage
-                ours = torch.tensor([(a if isinstance(a, list) else [a] * width) + [0.0] * (width - len(a) if
-                                     isinstance(a, list) else 0) for a in ours], dtype=torch.float32)
+                ours = torch.tensor([a + [0.0] * (width - len(a)) if isinstance(a, list) else [a] * width
+                                     for a in ours], dtype=torch.float32)
             else:
                 ours = torch.tensor(ours, dtype=torch.float32)
                 gaps.append(float((out["advantages"].float().cpu() - ours).abs().max()))
@@ -249,7 +250,7 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
     new = sequence_logprobs(trained, rollouts, params.temperature, tok.pad_token_id)
     if params.lora:
         save_trained(trainer, out_dir, lambda: save_lora(trained, tok, out_dir, params.lora, base=model_path))
-        keep_safetensors_only(__import__("pathlib").Path(out_dir))
+        keep_safetensors_only(Path(out_dir))
     else:
         save_trained(trainer, out_dir, lambda: save_checkpoint(trained, tok, out_dir), tok)
     steps = int(result.global_step)

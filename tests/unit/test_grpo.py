@@ -143,3 +143,25 @@ def test_beta_pulls_towards_the_reference_it_names(tmp_path, one_torch_thread):
                                            use_cpu=True))
         kl[name] = metrics["kl"]
     assert 0 <= kl["self"] < kl["other"] / 5, kl
+
+
+def test_per_token_advantages_and_an_env_mask_train(tmp_path, one_torch_thread):
+    """A (batch, tokens) advantage, as an episode whose turns differ gets, trains; the log-probabilities count the
+    tokens the env_mask marks as sampled, and no others."""
+    init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
+    backend = HFBackend(init, batch_size=64, progress=False)
+    problems = DOMAIN.sample_problems(2, 2, seed=0)
+    prompt_ids = backend.prompts.encode([p.prompt for p in problems])
+    samples = backend.generate_ids(prompt_ids, n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
+    rollouts = []
+    for p, ids, group in zip(problems, prompt_ids, samples, strict=True):
+        for j, s in enumerate(group):
+            n = len(s.token_ids)
+            mask = [1] * (n // 2) + [0] * (n - n // 2)  # the second half stands for an observation
+            rollouts.append({"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
+                             "completion_ids": list(s.token_ids), "env_mask": mask, "reward": float(j),
+                             "advantage": [1.0 if j else -1.0] * n})
+    metrics, rows = train_grpo(init, None, rollouts, str(tmp_path / "out"),
+                               GRPOParams(num_generations=2, groups_per_step=1, learning_rate=1e-3, use_cpu=True))
+    assert metrics["steps"] == 2 and math.isnan(metrics["advantage_gap"])  # no scalar advantage to compare
+    assert [r["tokens"] for r in rows] == [sum(r["env_mask"]) for r in rollouts]
