@@ -91,20 +91,23 @@ def test_rollouts_are_checked_by_name():
         GRPOParams(num_generations=1)
 
 
-def test_trl_trains_on_the_stored_advantages(tmp_path, one_torch_thread):
-    """Rollouts sampled from a tiny model, rewarded by a rule the model can move towards (end the answer
-    early): after the update, the rollouts with positive advantages gained log-probability against the
-    others, and TRL's advantages equal the stored ones."""
-    init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
+def _sampled(init: str, problems: int, n: int) -> list[tuple[dict, int]]:
+    """n rollouts per problem (arith level 2) sampled from the model at `init`, each with its index in its group."""
     backend = HFBackend(init, batch_size=64, progress=False)
-    problems = DOMAIN.sample_problems(2, 8, seed=0)
-    prompt_ids = backend.prompts.encode([p.prompt for p in problems])
-    samples = backend.generate_ids(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
-    rollouts = []
-    for p, ids, group in zip(problems, prompt_ids, samples, strict=True):
-        for j, s in enumerate(group):
-            rollouts.append({"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
-                             "completion_ids": list(s.token_ids), "outcome": float(j % 2 == 0)})
+    chosen = DOMAIN.sample_problems(2, problems, seed=0)
+    prompt_ids = backend.prompts.encode([p.prompt for p in chosen])
+    samples = backend.generate_ids(prompt_ids, n=n, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
+    return [({"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
+              "completion_ids": list(s.token_ids)}, j)
+            for p, ids, group in zip(chosen, prompt_ids, samples, strict=True) for j, s in enumerate(group)]
+
+
+def test_trl_trains_on_the_stored_advantages(tmp_path, one_torch_thread):
+    """Rollouts sampled from a tiny model, half of each group rewarded (by their index, so that each group has a
+    signal): after the update, the rollouts with positive advantages gained log-probability against the others,
+    and TRL's advantages equal the stored ones."""
+    init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
+    rollouts = [r | {"outcome": float(j % 2 == 0)} for r, j in _sampled(init, 8, 4)]
     adv = {a["trajectory_id"]: a for a in group_advantages(rollouts)}
     for r in rollouts:
         r |= {"reward": adv[r["trajectory_id"]]["reward"], "advantage": adv[r["trajectory_id"]]["advantage"]}
@@ -129,13 +132,7 @@ def test_beta_pulls_towards_the_reference_it_names(tmp_path, one_torch_thread):
     another model (a different random init) is far from it."""
     init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
     other = str(create_tiny_llama(SMALL, tmp_path / "other", seed=1))
-    backend = HFBackend(init, batch_size=64, progress=False)
-    problems = DOMAIN.sample_problems(2, 4, seed=0)
-    prompt_ids = backend.prompts.encode([p.prompt for p in problems])
-    samples = backend.generate_ids(prompt_ids, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
-    rollouts = [{"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
-                 "completion_ids": list(s.token_ids), "reward": float(j % 2), "advantage": 1.0 if j % 2 else -1.0}
-                for p, ids, group in zip(problems, prompt_ids, samples, strict=True) for j, s in enumerate(group)]
+    rollouts = [r | {"reward": float(j % 2), "advantage": 1.0 if j % 2 else -1.0} for r, j in _sampled(init, 4, 4)]
     kl = {}
     for name, ref in (("self", init), ("other", other)):
         metrics, _ = train_grpo(init, ref, rollouts, str(tmp_path / name),
@@ -149,18 +146,11 @@ def test_per_token_advantages_and_an_env_mask_train(tmp_path, one_torch_thread):
     """A (batch, tokens) advantage, as an episode whose turns differ gets, trains; the log-probabilities count the
     tokens the env_mask marks as sampled, and no others."""
     init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
-    backend = HFBackend(init, batch_size=64, progress=False)
-    problems = DOMAIN.sample_problems(2, 2, seed=0)
-    prompt_ids = backend.prompts.encode([p.prompt for p in problems])
-    samples = backend.generate_ids(prompt_ids, n=2, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=0)
     rollouts = []
-    for p, ids, group in zip(problems, prompt_ids, samples, strict=True):
-        for j, s in enumerate(group):
-            n = len(s.token_ids)
-            mask = [1] * (n // 2) + [0] * (n - n // 2)  # the second half stands for an observation
-            rollouts.append({"trajectory_id": f"{p.problem_id}-{j}", "group_id": p.problem_id, "prompt_ids": ids,
-                             "completion_ids": list(s.token_ids), "env_mask": mask, "reward": float(j),
-                             "advantage": [1.0 if j else -1.0] * n})
+    for r, j in _sampled(init, 2, 2):
+        n = len(r["completion_ids"])
+        mask = [1] * (n // 2) + [0] * (n - n // 2)  # the second half stands for an observation
+        rollouts.append(r | {"env_mask": mask, "reward": float(j), "advantage": [1.0 if j else -1.0] * n})
     metrics, rows = train_grpo(init, None, rollouts, str(tmp_path / "out"),
                                GRPOParams(num_generations=2, groups_per_step=1, learning_rate=1e-3, use_cpu=True))
     assert metrics["steps"] == 2 and math.isnan(metrics["advantage_gap"])  # no scalar advantage to compare
