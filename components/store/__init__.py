@@ -41,7 +41,8 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
 
 # The store's layout version, in `coevo_meta`. 1 was the single DuckDB file (coevo.duckdb, read as it is and
 # migrated by the first writer); 2 is the DuckLake; 3 adds agent episodes (`turns`, `v_episodes`,
-# `v_tool_stats`), which the first writer of a version-2 store adds; 4 adds `turns.token_ids`. An older store's
+# `v_tool_stats`), which the first writer of a version-2 store adds; 4 adds `turns.token_ids`; 5 adds recipe
+# grpo's `advantages`, `rollout_logprobs`, `trajectories.token_ids` and `v_rl_round`. An older store's
 # first writer adds the tables and columns it lacks. A higher version was made by a newer coevo.
 SCHEMA_VERSION = 5
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
