@@ -115,17 +115,17 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
                               "outcome": outcome[t["trajectory_id"]], "shaping": shaping.get(t["trajectory_id"], 0.0)}
                              for t in trajs], scale=g.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed)
     rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round} for r in rows]
+    turn_rows = []
     if is_agent(domain_of(spec)):
         # An agent's episode: each assistant turn is credited with its episode's advantage (outcome-only credit;
         # the turn's tokens train on it, its observations are masked out).
         by_tid = {r["trajectory_id"]: r for r in rows}
-        rows += [by_tid[u["trajectory_id"]] | {"turn_index": u["turn_index"]} for u in spec.rows("generate", "turns")
-                 if u["role"] == "assistant" and u["trajectory_id"] in by_tid]
+        turn_rows = [by_tid[u["trajectory_id"]] | {"turn_index": u["turn_index"]}
+                     for u in spec.rows("generate", "turns") if u["role"] == "assistant" and u["trajectory_id"] in by_tid]
     selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
                    "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}
-                  for r in rows if r["turn_index"] == -1]
-    write(out, advantages=rows, selections=selections)
-    rows = [r for r in rows if r["turn_index"] == -1]
+                  for r in rows]
+    write(out, advantages=rows + turn_rows, selections=selections)
     groups = {r["group_id"] for r in rows}
     kept = {r["group_id"] for r in rows if r["kept"]}
     share = zero_variance_share(rows)

@@ -148,8 +148,8 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
                                     [v for _, v in sorted(turn_adv.get(t["trajectory_id"], {}).items())])
                     for t in trajs]
         return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0)
-    prompt_ids = dict(zip(sorted({t["prompt"] for t in trajs}), encoder.encode(sorted({t["prompt"] for t in trajs})),
-                          strict=True))
+    prompts = sorted({t["prompt"] for t in trajs})
+    prompt_ids = dict(zip(prompts, encoder.encode(prompts), strict=True))
     retokenized = 0
     rollouts = []
     for t in trajs:

@@ -276,7 +276,7 @@ def sequence_logprobs(model: Any, rollouts: list[dict[str, Any]], temperature: f
     `temperature` as the sampler's were."""
     import torch
 
-    from components.rewards import pad_right
+    from components.rewards import pad_right, token_logprobs
 
     out: list[tuple[float, int]] = []
     was_training = model.training
@@ -287,8 +287,7 @@ def sequence_logprobs(model: Any, rollouts: list[dict[str, Any]], temperature: f
             seqs = [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in chunk]
             ids, mask = pad_right(seqs, pad_id)
             ids, mask = ids.to(model.device), mask.to(model.device)
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
-            lp = logits.log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+            lp = token_logprobs(model(input_ids=ids, attention_mask=mask).logits.float() / temperature, ids)
             for row, r in enumerate(chunk):
                 start, n = len(r["prompt_ids"]), len(r["completion_ids"])
                 keep = torch.tensor(r.get("env_mask") or [1] * n, dtype=torch.bool, device=lp.device)
