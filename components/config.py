@@ -633,6 +633,17 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (Monte Carlo turn labels, "
                              "reward models and DPO on episodes are still to come); use recipe rft with their defaults")
 
+    def check_startable(self, model: bool = True) -> None:
+        """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model
+        that is neither a local folder nor in the Hugging Face cache while the hub is off (HF_HUB_OFFLINE),
+        or a data file the domain names that does not exist. Load-time validation cannot say this (the same
+        config may start on another machine), so the CLI and the flows call it before any stage runs;
+        `model=False` once round 0 has taken the model in (the store then names its files)."""
+        problems = [p for p in (_model_problem("policy.model", self.policy.model, self.domain.name) if model else None,
+                                *_data_problems(self.domain.name, self.domain.options)) if p]
+        if problems:
+            raise ConfigError("this experiment cannot start here:\n  " + "\n  ".join(problems))
+
     # -- derived -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -701,6 +712,51 @@ class ExperimentConfig(_Section):
         if not isinstance(self.store_path, str) or not shared:
             return None
         return join(shared, "store") + "/"
+
+
+def hub_offline() -> bool:
+    import os
+
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _model_problem(field: str, name: str | None, domain: str) -> str | None:
+    """Why the model `field` names cannot be loaded here, or None: a local folder must hold a checkpoint, and
+    anything else is a hub name that must be cached while the hub is off (`coevo run` turns it off)."""
+    if name is None:
+        return None
+    from components.models.checkpoint import check_checkpoint
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        try:
+            check_checkpoint(path, name)
+        except FileNotFoundError as e:
+            return f"{field}: {e}"
+        return None
+    if path.exists():
+        return f"{field}: {name!r} is a file, not a model folder"
+    build = f"`coevo build-model {name} --domain {domain}` builds a stand-in there"
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return f"{field}: no model folder {name!r} ({path.resolve()}); {build}"
+    if not hub_offline():
+        return None  # a hub name, downloaded when the first stage loads it
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - any miss: not cached (offline, gated, misspelt)
+        return (f"{field}: {name!r} is neither a local folder nor in the Hugging Face cache, and the hub is off "
+                f"(HF_HUB_OFFLINE=1); {build}, or `hf download {name}` where the hub is reachable")
+    return None
+
+
+def _data_problems(domain: str, options: dict[str, Any]) -> list[str]:
+    """The domain's data files (`domain.options.*_path`, and the jsonl domain's `train`/`test`) that do not exist."""
+    keys = [k for k in options if k.endswith("_path")] + ([k for k in ("train", "test") if k in options]
+                                                           if domain == "jsonl" else [])
+    return [f"domain.options.{k}: no such file {options[k]!r} ({Path(str(options[k])).expanduser().resolve()})"
+            for k in keys if options[k] is not None and not Path(str(options[k])).expanduser().is_file()]
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

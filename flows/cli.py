@@ -58,16 +58,12 @@ def run(
         cfg = load_config(config, overrides)
     except ConfigError as e:
         fail(str(e), 2)
-    if cfg.policy.model and _looks_local(cfg.policy.model):
-        from components.models.checkpoint import check_checkpoint
+    from flows.evolution import check_startable
 
-        path = Path(cfg.policy.model).expanduser()
-        if not path.is_dir():
-            fail(f"policy.model: model path not found: {cfg.policy.model}", 2)
-        try:
-            check_checkpoint(path, cfg.policy.model)
-        except FileNotFoundError as e:
-            fail(str(e), 2)
+    try:  # a model or data file missing here fails now, naming the field, not in the first stage's job
+        check_startable(cfg)
+    except ConfigError as e:
+        fail(str(e), 2)
     from components.storage import StorageError, check
 
     try:  # shared storage that refuses the environment's credentials fails here, before any stage
@@ -247,6 +243,9 @@ def resume(
     workdir: WorkdirOpt = Path("workdir"),
     rounds: Annotated[Optional[int], typer.Option(
         "--rounds", min=0, help="Continue to this many rounds (more than it has): its committed rounds are kept.")] = None,
+    more_rounds: Annotated[Optional[int], typer.Option(
+        "--more-rounds", min=1, help="Continue to this many rounds past its stored ones (what the nightly "
+                                     "schedule does).")] = None,
 ) -> None:
     """Continue an experiment from its first stage without a committed attempt, or past its last round."""
     from flows.evolution import CONFIG_SNAPSHOT
@@ -254,8 +253,10 @@ def resume(
     snapshot = workdir / experiment / CONFIG_SNAPSHOT
     if not snapshot.is_file():
         fail(f"unknown experiment {experiment!r}: no {snapshot}", 2)
-    overrides = [] if rounds is None else [f"rounds={rounds}"]
-    _run_flow("self_evolution", progress_bars=True, config_path=str(snapshot), overrides=overrides)
+    if rounds is not None and more_rounds is not None:
+        fail("give --rounds or --more-rounds, not both", 2)
+    _run_flow("self_evolution", progress_bars=True, config_path=str(snapshot), rounds=rounds,
+              more_rounds=more_rounds)
     _print_summary(workdir, experiment)
 
 

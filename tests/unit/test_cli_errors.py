@@ -95,7 +95,21 @@ def test_missing_model_path(tmp_path):
     r = coevo("run", "--config", str(REPO / "configs/micro.yaml"), "--set", f"workdir={tmp_path / 'wd'}",
               "--set", "policy.model=./no/such/model", cwd=tmp_path)
     assert r.returncode == 2
-    assert "model path not found: ./no/such/model" in r.stderr
+    assert "policy.model: no model folder './no/such/model'" in " ".join(r.stderr.split())
+    _nothing_written(tmp_path)
+
+
+def test_a_config_whose_model_is_not_built_yet_is_refused_at_load(tmp_path):
+    """A new user's first try: configs/gsm8k.yaml before `coevo build-model`. The run is refused before any
+    stage, naming the field and the command that builds the stand-in; a missing data file likewise."""
+    r = coevo("run", "--config", str(REPO / "configs/gsm8k.yaml"), "--set", f"workdir={tmp_path / 'wd'}",
+              "--set", f"domain.options.test_path={tmp_path / 'gone.jsonl'}", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    said = " ".join(r.stderr.split())
+    assert ("policy.model: 'workdir/standin-gsm8k' is neither a local folder nor in the Hugging Face cache" in said
+            and "`coevo build-model workdir/standin-gsm8k --domain gsm8k`" in said), said
+    assert f"domain.options.test_path: no such file '{tmp_path / 'gone.jsonl'}'" in said
+    assert "Traceback" not in r.stderr
     _nothing_written(tmp_path)
 
 
