@@ -127,6 +127,27 @@ class Tracker:
         self._round_runs[round] = run_id
         return run_id
 
+    def run_url(self, run_id: str | None) -> str | None:
+        """The MLflow UI's page of a run, where the tracking URI is a server (a SQLite file has no UI)."""
+        if not self.enabled or run_id is None or not self.uri.startswith(("http://", "https://")):
+            return None
+        return f"{self.uri.rstrip('/')}/#/experiments/{self.mlflow_experiment_id}/runs/{run_id}"
+
+    def artifact_url(self, run_id: str | None, path: str) -> str | None:
+        """A URL the MLflow server serves one of the run's artifact files from (an image for a Prefect page)."""
+        if self.run_url(run_id) is None:
+            return None
+        from urllib.parse import urlencode
+
+        return f"{self.uri.rstrip('/')}/get-artifact?{urlencode({'path': path, 'run_uuid': run_id})}"
+
+    def link_orchestrator_run(self, run_id: str | None, url: str, what: str) -> None:
+        """Put the Prefect run's page on the MLflow run: a tag, and the run's description (a link there)."""
+        if not self.enabled or run_id is None:
+            return
+        self.client.set_tag(run_id, "prefect.flow_run_url", url)
+        self.client.set_tag(run_id, "mlflow.note.content", f"Orchestrated by the Prefect flow run [{what}]({url}).")
+
     def log_stage(self, round: int, stage: str, metrics: dict[str, float], duration_s: float | None) -> None:
         """Stage metrics go to the round run; they also go to the parent with step=round for curves."""
         if not self.enabled:

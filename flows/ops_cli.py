@@ -89,10 +89,15 @@ def serve(
         "infra/prefect.yaml"),
     limit: Annotated[Optional[int], typer.Option(help="At most this many flow runs at once.")] = None,
     gpu_limit: Annotated[int, typer.Option(help="Concurrency limit of the `gpu` task tag (0: none).")] = 1,
+    configs: Annotated[Optional[list[Path]], typer.Option(
+        "--configs", help="A folder of your own experiment YAMLs, offered in the run forms beside the checkout's "
+                          "configs/ (repeatable).")] = None,
 ) -> None:
     """Serve the deployments of infra/prefect.yaml so that a run started in the UI executes here.
 
-    Uses $PREFECT_API_URL, else the server `coevo server up` started for --workdir.
+    Uses $PREFECT_API_URL, else the server `coevo server up` started for --workdir. The forms offer the
+    configs found, the store's experiments, the work pools and the registry's models as they are now:
+    serve again to offer new ones.
     """
     if not os.environ.get("PREFECT_API_URL"):
         from components import servers
@@ -118,7 +123,8 @@ def serve(
     with ctx:
         try:
             serve_deployments(prefect_yaml, limit=limit, gpu_limit=gpu_limit,
-                              log=lambda m: console.print(m, highlight=False))
+                              log=lambda m: console.print(m, highlight=False), workdir=workdir,
+                              config_dirs=list(configs or []))
         except DeploymentError as e:
             fail(str(e), 2)
 

@@ -537,6 +537,13 @@ class Store:
             return []
         return [r[0] for r in self.query("SELECT experiment_id FROM experiments ORDER BY experiment_id")[1]]
 
+    def experiment_rounds(self, experiment: str) -> int | None:
+        """The `rounds` of the experiment's stored config, or None if the store does not hold it."""
+        if not self.exists():
+            return None
+        rows = self.query("SELECT config_json FROM experiments WHERE experiment_id=?", [experiment])[1]
+        return int(json.loads(rows[0][0])["rounds"]) if rows else None
+
     def round_plan(self, experiment: str, round: int) -> list[int] | None:
         """The curriculum levels `set_round_plan` stored for the round, or None."""
         if not self.exists():

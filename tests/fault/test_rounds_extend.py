@@ -1,4 +1,5 @@
-"""`coevo resume <exp> --rounds N` continues a finished experiment past its last round.
+"""`coevo resume <exp> --more-rounds N` (the nightly schedule's `more_rounds`) continues a finished experiment
+past its last round; `--rounds N` names the total.
 
 On the fault suite's `seed1` experiment (round 0 only), after the other fault tests have read it: its
 committed round 0 is kept as it is (the same attempts, the same rows), round 1 runs, the store and the
@@ -25,7 +26,7 @@ def extended(fault_runs):
     run = fault_runs.seed1
     run.assert_finished()
     before = {"runs": runs_by_round(run.store, run.experiment)[0], "r0": round_hashes(run.store, run.experiment, 0)}
-    p = run.cli("resume", run.experiment, "--rounds", "1")
+    p = run.cli("resume", run.experiment, "--more-rounds", "1")  # stored rounds 0, so to 1
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return run, before, p
 

@@ -270,3 +270,41 @@ def test_operator_commands_are_on_the_coevo_cli():
     names = {c.name or c.callback.__name__ for c in app.registered_commands} | {g.name for g in app.registered_groups}
     assert {"server", "serve", "compare", "export", "report"} <= names, (
         "add `from flows.ops_cli import register; register(app)` at the end of flows/cli.py")
+
+
+# -- the run forms ------------------------------------------------------------------------------
+
+def test_forms_offer_what_this_machine_has(micro_workdir, prefect_server, tmp_path):
+    """`coevo serve`'s choices, read off the micro workdir: the checkout's and a user's configs (one that
+    does not load is left out, saying why), the store's experiments, the registry's models; each becomes
+    an enum of the deployment's schema, and a default the choices exclude is dropped."""
+    from flows.deployments import FormChoices, build_deployments
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    good = yaml.safe_load((REPO / "configs" / "micro.yaml").read_text()) | {"experiment": "mine", "rounds": 1}
+    (mine / "mine.yaml").write_text(yaml.safe_dump(good))
+    (mine / "broken.yaml").write_text("experiment: broken\nrounds: -1\n")
+    said: list[str] = []
+    choices = FormChoices.discover(micro_workdir.path, [mine], said.append)
+
+    assert {"configs/micro.yaml", "configs/gsm8k.yaml", str((mine / "mine.yaml").resolve())} <= set(choices.configs)
+    assert not any("broken" in c for c in choices.configs)
+    assert any("broken.yaml is not offered" in s and "rounds" in s for s in said), said
+    assert "recipe rft, rounds 1" in choices.configs[str((mine / "mine.yaml").resolve())]
+    assert choices.experiments == ["micro", "micro-b"]
+    assert {"models:/micro-policy@current", "models:/micro-policy/1"} <= set(choices.models), choices.models
+
+    deps = {d.flow_name: d for d in build_deployments(REPO / "infra" / "prefect.yaml", lambda m: None, choices)}
+    props = {n: d._parameter_openapi_schema.properties for n, d in deps.items()}
+    assert props["self_evolution"]["config_path"]["enum"] == list(choices.configs)
+    assert "- `configs/micro.yaml`: experiment micro, recipe rft" in props["self_evolution"]["config_path"]["description"]
+    assert props["run_stage"]["experiment"]["enum"] == ["micro", "micro-b"]
+    assert deps["run_stage"].parameters["workdir"] == str(micro_workdir.path)
+    registered = props["evaluate_model"]["registered"]["anyOf"][0]
+    assert registered["enum"] == choices.models and registered["type"] == "string"
+
+    # An example default that this machine's choices exclude is dropped, not offered as a broken default.
+    only = FormChoices(configs={"configs/micro.yaml": "micro"}, experiments=["micro"])
+    deps = {d.flow_name: d for d in build_deployments(REPO / "infra" / "prefect.yaml", lambda m: None, only)}
+    assert "config_path" not in deps["self_evolution"].parameters  # prefect.yaml's default is configs/arith.yaml
