@@ -21,8 +21,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-# What the jobs print: `[train_policy] step 50/500, loss 0.41`, `[generate] batch 3/5`.
-_PROGRESS = re.compile(r"\b(?:step|batch)\s+(\d+)\s*/\s*(\d+)\b", re.IGNORECASE)
+# What the jobs print: `[train_policy] step 50/500, loss 0.41`, `[generate] samples 256/1024 (batch 1/4)`.
+_PROGRESS = re.compile(r"\b(?:step|batch|samples|problems|episodes)\s+(\d+)\s*/\s*(\d+)\b", re.IGNORECASE)
+
+
+def progress_text(line: str) -> str | None:
+    """The progress phrase of a job's output line, as the job wrote it.
+
+    >>> progress_text("[train_policy] step 50/500, loss 0.4100")
+    'step 50/500'
+    """
+    m = _PROGRESS.search(line)
+    return m.group(0) if m else None
 
 
 def parse_progress(line: str) -> tuple[int, int] | None:
@@ -32,6 +42,8 @@ def parse_progress(line: str) -> tuple[int, int] | None:
     (50, 500)
     >>> parse_progress("[generate] batch 3/5")
     (3, 5)
+    >>> parse_progress("[generate] samples 256/1024 (batch 1/4)")
+    (256, 1024)
     >>> parse_progress("[verify] 12/40 correct") is None
     True
     >>> parse_progress("[generate] batch 1/0") is None
@@ -57,6 +69,29 @@ def set_sink(sink: ProgressSink | None) -> ProgressSink | None:
     global _sink
     previous, _sink = _sink, sink
     return previous
+
+
+def current_sink() -> ProgressSink | None:
+    return _sink
+
+
+class TeeSink:
+    """Every event to each of several sinks (a terminal's bars and a Prefect artifact, say)."""
+
+    def __init__(self, *sinks: ProgressSink | None):
+        self.sinks = [s for s in sinks if s is not None]
+
+    def started(self, stage_run_id: str) -> None:
+        for s in self.sinks:
+            s.started(stage_run_id)
+
+    def line(self, stage_run_id: str, line: str, progress: tuple[int, int] | None) -> None:
+        for s in self.sinks:
+            s.line(stage_run_id, line, progress)
+
+    def finished(self, stage_run_id: str, ok: bool) -> None:
+        for s in self.sinks:
+            s.finished(stage_run_id, ok)
 
 
 @contextmanager

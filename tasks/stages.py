@@ -1,5 +1,7 @@
 """One Prefect task per stage. Each adds only orchestration policy: retries, timeouts, tags, logging.
 
+While the job runs, its progress lines update a progress artifact on the task run (tasks/progress.py).
+
 Retries cover transient faults only (the job was killed: OOM, preemption, timeout). A job that
 exits with an error (a verifier bug, bad input) fails the round at once. A stage that holds an
 accelerator (`Stage.gpu`) is tagged `gpu`: a tag concurrency limit of 1 serialises them per machine.
@@ -17,14 +19,17 @@ from prefect import Task, get_client, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.exceptions import ObjectNotFound
+from prefect.runtime import flow_run as flow_run_ctx
 from prefect.runtime import task_run as task_run_ctx
 from prefect.states import State
 
 from components.config import ExperimentConfig
 from components.jobs.launch import StageJobError, StageResult, pool_of, run_stage_attempt
+from components.progress import TeeSink, current_sink, installed
 from components.stages import STAGES, Stage
 from components.store import Store
 from tasks.pool import PoolRunner
+from tasks.progress import PrefectProgressSink
 
 
 def is_transient(task: Task, task_run: TaskRun, state: State) -> bool:
@@ -45,10 +50,13 @@ def stage_tags(stage: str) -> set[str]:
 def _make(stage: Stage) -> Task:
     def run(cfg: ExperimentConfig, round: int, code_version: str | None = None) -> StageResult:
         pool = pool_of(cfg, stage.name)
-        return run_stage_attempt(cfg, Store.for_config(cfg), round, stage.name, code_version=code_version,
-                                 log=get_run_logger().info,
-                                 task_run_id=str(task_run_ctx.id) if task_run_ctx.id else None,
-                                 runner=PoolRunner(cfg, pool) if pool else None)
+        task_run_id = str(task_run_ctx.id) if task_run_ctx.id else None
+        # The job's progress lines fill a progress artifact on this task run (and any terminal bars).
+        on_page = PrefectProgressSink(flow_run_ctx.id, task_run_id)
+        with installed(TeeSink(current_sink(), on_page)):
+            return run_stage_attempt(cfg, Store.for_config(cfg), round, stage.name, code_version=code_version,
+                                     log=get_run_logger().info, task_run_id=task_run_id,
+                                     runner=PoolRunner(cfg, pool) if pool else None)
 
     run.__name__ = stage.name
     return task(run, name=stage.name, task_run_name=f"{stage.name}-r{{round}}",

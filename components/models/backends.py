@@ -190,8 +190,9 @@ class HFBackend:
                 gen = self.model.generate(**enc, **kw)
             for k, ids in zip(idx, gen[:, enc["input_ids"].shape[1]:].tolist(), strict=True):
                 out[k] = self._sample(ids, stop)
-            if self.progress and n_batches > 1 and (b + 1) % max(1, n_batches // 10) == 0:
-                print(f"[generate] batch {b + 1}/{n_batches}", flush=True)
+            if self.progress and ((b + 1) % max(1, n_batches // 10) == 0 or b + 1 == n_batches):
+                done = min(len(order), (b + 1) * self.batch_size)
+                print(f"[generate] samples {done}/{len(order)} (batch {b + 1}/{n_batches})", flush=True)
         result: list[list[Sample]] = [[] for _ in prompt_ids]
         for (i, _), s in zip(flat, out, strict=True):
             result[i].append(s)

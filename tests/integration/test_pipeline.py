@@ -66,6 +66,26 @@ def test_the_bootstrap_learns_the_demonstrated_levels(micro_run):
     assert acc[1] >= 0.8 and acc[2] >= 0.5, acc
 
 
+def test_the_run_page_shows_progress_and_rounds(micro_run):
+    """The session's run through Prefect's local server: each sampling and training stage filled a progress
+    artifact on its task run, and the experiment's flow run holds an index of its rounds."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    cfg, _, _ = micro_run
+    keys = ["micro-r0-bootstrap-progress", "micro-r1-generate-progress", "micro-r1-train-policy-progress",
+            "micro-r2-evaluate-progress", "micro-rounds"]
+    with get_client(sync_client=True) as c:
+        arts = c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    latest = {a.key: a for a in sorted(arts, key=lambda a: a.created)}
+    assert set(latest) == set(keys), sorted(latest)
+    for key in keys[:-1]:
+        assert latest[key].type == "progress" and latest[key].data == 100, latest[key]
+        assert latest[key].task_run_id is not None and latest[key].description.endswith(": done")
+    index = latest["micro-rounds"].data
+    assert all(f"| {r} | " in index for r in range(cfg.rounds + 1)), index
+
+
 def test_mlflow_matches_the_store(micro_run):
     from mlflow.tracking import MlflowClient
 

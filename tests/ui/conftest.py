@@ -21,6 +21,7 @@ from tests.conftest import REPO, coevo_cmd, coevo_env, run_coevo
 
 CHROMEDRIVER = "/usr/bin/chromedriver"
 SCREENS = Path("/tmp/coevo-screens")  # a copy of every screenshot, to look at after the run
+UI_EXPERIMENT = "ui-micro"
 
 
 def coevo(*args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300,
@@ -97,12 +98,31 @@ def servers(tmp_path):
 
 
 @pytest.fixture
-def served(servers, tmp_path):
-    """`coevo serve` in the background against the test's Prefect server; stopped (SIGINT) afterwards."""
+def user_configs(servers, tmp_path) -> Path:
+    """A user's own config folder, as `coevo serve --configs` takes it: the micro config, one round shorter in
+    training, writing to the test's workdir. Round 1 still generates, filters, trains and evaluates."""
+    import yaml
+
+    folder = tmp_path / "my-configs"
+    folder.mkdir()
+    cfg = yaml.safe_load((REPO / "configs" / "micro.yaml").read_text())
+    cfg.update(experiment=UI_EXPERIMENT, workdir=str(servers.workdir))
+    cfg["bootstrap"]["steps"] = 300  # enough that round 1 selects samples and trains
+    cfg["train_policy"]["steps"] = 20
+    cfg["generate"]["problems_per_level"] = 20
+    cfg["evaluate"]["problems_per_level"] = 20
+    (folder / f"{UI_EXPERIMENT}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return folder
+
+
+@pytest.fixture
+def served(servers, user_configs, tmp_path):
+    """`coevo serve --configs <user_configs>` in the background against the test's Prefect server; stopped
+    (SIGINT) afterwards."""
     log = open(tmp_path / "serve.log", "w")
     env = coevo_env(env={"PREFECT_API_URL": servers.prefect_api, "MLFLOW_TRACKING_URI": servers.mlflow_url,
                          "COEVO_WORKDIR": str(servers.workdir)})
-    proc = subprocess.Popen(coevo_cmd("serve"), cwd=REPO, env=env,
+    proc = subprocess.Popen(coevo_cmd("serve", "--configs", str(user_configs)), cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield proc
