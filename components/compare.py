@@ -1,6 +1,7 @@
-"""Two experiments side by side, round by round, read back from MLflow (not from the store).
+"""Two experiments side by side, round by round, read back from MLflow, or from the store at a snapshot.
 
     coevo compare micro micro-b [--metric evaluate/greedy_acc] [--out plot.png]
+    coevo compare micro micro --a-as-of micro/r1/train_policy/a1    # micro before a rerun, and now
 
     from components.compare import compare_experiments, plot_comparison
     result = compare_experiments("sqlite:///workdir/mlflow.db", "micro", "micro-b")
@@ -108,6 +109,36 @@ def experiment_rounds(client, experiment: str, metric: str) -> ExperimentRounds:
 def compare_experiments(tracking_uri: str, exp_a: str, exp_b: str, metric: str = "evaluate/greedy_acc") -> Comparison:
     client = _client(tracking_uri)
     return Comparison(metric, experiment_rounds(client, exp_a, metric), experiment_rounds(client, exp_b, metric))
+
+
+def store_rounds(store: Any, experiment: str, metric: str, as_of: str | None = None) -> ExperimentRounds:
+    """The same rounds read from the store's `evaluations`, as they stood after the `as_of` attempt's commit
+    (`Store.snapshot`) or now. The store holds what `evaluate` computed, so the metric is `evaluate/<name>`."""
+    from components.store import StoreError
+
+    stage, _, name = metric.partition("/")
+    if stage != "evaluate" or not name:
+        raise CompareError(f"metric {metric!r}: the store holds the evaluate stage's metrics, evaluate/<name> "
+                           "(e.g. evaluate/greedy_acc); others are read from MLflow, without a snapshot")
+    label = experiment if as_of is None else f"{experiment} as of {as_of}"
+    try:
+        _, rows = store.query("SELECT round, level, value FROM evaluations WHERE experiment_id = ? AND metric = ?",
+                              [experiment, name], as_of=as_of)
+        if not rows:
+            known = [r[0] for r in store.query("SELECT experiment_id FROM experiments ORDER BY 1", as_of=as_of)[1]]
+            if experiment not in known:
+                raise CompareError(f"unknown experiment {experiment!r} in the store{'' if as_of is None else ' at ' + as_of}"
+                                   f"; known: {', '.join(known) or 'none'}")
+            names = [r[0] for r in store.query("SELECT DISTINCT metric FROM evaluations WHERE experiment_id = ? "
+                                               "ORDER BY 1", [experiment], as_of=as_of)[1]]
+            raise CompareError(f"experiment {experiment!r} has no metric {metric!r}; it has: "
+                               f"{', '.join('evaluate/' + n for n in names) or 'no evaluations'}")
+    except StoreError as e:
+        raise CompareError(str(e)) from None
+    out = ExperimentRounds(label)
+    for r, level, value in rows:
+        out.values.setdefault(ALL if level == -1 else str(level), {})[int(r)] = float(value)
+    return out
 
 
 def plot_comparison(c: Comparison, path: Path) -> Path:

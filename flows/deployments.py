@@ -70,6 +70,7 @@ class FormChoices:
 
     configs: dict[str, str] = field(default_factory=dict)  # value -> what it runs (recipe, rounds, backend, ...)
     experiments: list[str] = field(default_factory=list)
+    stages: list[str] = field(default_factory=list)  # those of the stored experiments' recipes
     work_pools: list[str] = field(default_factory=list)
     models: list[str] = field(default_factory=list)  # models:/<name>@<alias>, models:/<name>/<version>
     workdir: str | None = None
@@ -77,8 +78,10 @@ class FormChoices:
     @classmethod
     def discover(cls, workdir: str | Path, config_dirs: list[Path] = (), log: Callable[[str], None] = print,
                  ) -> FormChoices:
-        return cls(configs=find_configs([REPO / "configs", *config_dirs], log), experiments=_experiments(workdir),
-                   work_pools=_work_pools(), models=_registered_models(workdir, log), workdir=str(workdir))
+        recipes = _experiment_recipes(workdir)
+        return cls(configs=find_configs([REPO / "configs", *config_dirs], log), experiments=sorted(recipes),
+                   stages=_stages_of(recipes.values()), work_pools=_work_pools(),
+                   models=_registered_models(workdir, log), workdir=str(workdir))
 
     def apply(self, deployment: Any) -> None:
         """Constrain the deployment's parameter schema (and drop a default the choices exclude)."""
@@ -89,6 +92,7 @@ class FormChoices:
                                                     "blank fields below take its values:\n\n" + "\n".join(
                                                         f"- `{k}`: {v}" for k, v in self.configs.items()))
         _choose(props, "experiment", self.experiments)
+        _choose(props, "stage", self.stages)
         _choose(props, "work_pool", self.work_pools)
         _choose(props, "registered", self.models)
         if "workdir" in props and self.workdir is not None:
@@ -130,7 +134,7 @@ def find_configs(dirs: list[Path], log: Callable[[str], None] = print) -> dict[s
             try:
                 cfg = load_config(path)
             except ConfigError as e:
-                log(f"config {path} is not offered: {str(e).splitlines()[0]}")
+                log(f"config {path} is not offered: {' '.join(str(e).split())}")
                 continue
             found[value] = (f"experiment {cfg.experiment}, recipe {cfg.recipe}, rounds {cfg.rounds}, backend "
                             f"{cfg.generate.backend}, shards {cfg.execution.shards}, pool {cfg.execution.pool or 'local'}")
@@ -143,11 +147,30 @@ def find_configs(dirs: list[Path], log: Callable[[str], None] = print) -> dict[s
     return found
 
 
-def _experiments(workdir: str | Path) -> list[str]:
+def _experiment_recipes(workdir: str | Path) -> dict[str, str]:
+    """The store's experiments and their recipes."""
     from components.store import Store
 
-    catalog = os.environ.get("COEVO_CATALOG")
-    return Store(catalog or Path(workdir) / "store").experiments()
+    store = Store(os.environ.get("COEVO_CATALOG") or Path(workdir) / "store")
+    if not store.exists():
+        return {}
+    return dict(store.query("SELECT experiment_id, recipe FROM experiments")[1])
+
+
+def _stages_of(recipes) -> list[str]:
+    """Every stage a round of these recipes runs (round 0's and the others'), in the registry's order; a recipe
+    that no longer loads offers none."""
+    from components.recipes import get_recipe
+    from components.stages import STAGES
+
+    names: set[str] = set()
+    for name in set(recipes):
+        try:
+            recipe = get_recipe(name)
+        except (ValueError, ImportError, AttributeError):
+            continue
+        names |= set(recipe.round_stages(0)) | set(recipe.round_stages(1))
+    return [s for s in STAGES if s in names]
 
 
 def _work_pools() -> list[str]:

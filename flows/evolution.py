@@ -411,7 +411,8 @@ def run_stage(experiment: str, round: Round, stage: StageName, downstream: bool 
     Args:
         experiment: An experiment of the store (the choices are those it held when `coevo serve` started).
         round: The round whose stage reruns.
-        stage: The stage to rerun; it must be one of the experiment's recipe's stages in that round.
+        stage: The stage to rerun (the choices: the stored experiments' recipes' stages); it must be one of
+            the experiment's recipe's stages in that round.
         downstream: Also recompute now what the rerun makes stale.
         workdir: The workdir that holds the experiment.
     """

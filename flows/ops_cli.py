@@ -140,14 +140,23 @@ def compare(
     metric: Annotated[str, typer.Option(help="Round metric, as logged: stage/metric.")] = "evaluate/greedy_acc",
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Plot PNG path.")] = None,
     format: Annotated[str, typer.Option("--format", "-f", help="table|csv|json")] = "table",
+    a_as_of: Annotated[Optional[str], typer.Option(
+        "--a-as-of", help="Read the first experiment from the store as it stood after this attempt's commit, "
+                          "<experiment>/r<round>[/<stage>[/a<attempt>]] (e.g. before a rerun).")] = None,
+    b_as_of: Annotated[Optional[str], typer.Option("--b-as-of", help="The same for the second.")] = None,
 ) -> None:
-    """Compare two experiments round by round from the MLflow API: a table and a plot."""
-    from components.compare import CompareError, compare_experiments, plot_comparison
+    """Compare two experiments round by round: a table and a plot. From the MLflow API; with --a-as-of or
+    --b-as-of, both sides from the store's evaluations, each at its snapshot (or now)."""
+    from components.compare import CompareError, Comparison, compare_experiments, plot_comparison, store_rounds
     from components.servers import mlflow_store_uri
 
-    uri = tracking_uri or mlflow_store_uri(workdir)
     try:
-        result = compare_experiments(uri, exp_a, exp_b, metric=metric)
+        if a_as_of is None and b_as_of is None:
+            result = compare_experiments(tracking_uri or mlflow_store_uri(workdir), exp_a, exp_b, metric=metric)
+        else:
+            store = open_store(workdir)
+            result = Comparison(metric, store_rounds(store, exp_a, metric, a_as_of),
+                                store_rounds(store, exp_b, metric, b_as_of))
     except CompareError as e:
         fail(str(e), 2)
     out = out or workdir / "compare" / f"{exp_a}_vs_{exp_b}.png"

@@ -161,6 +161,27 @@ def test_compare_unknown_experiment_lists_known(micro_workdir):
 
 
 @pytest.mark.slow
+def test_compare_as_of_reads_the_store_at_a_snapshot(micro_workdir, tmp_path):
+    """micro as it stood after round 1's evaluate, against micro now: rounds 0 and 1 agree to the digit,
+    round 2 did not exist yet. A point that does not exist, or a metric the store lacks, is named."""
+    w, plot = str(micro_workdir.path), str(tmp_path / "cmp.png")
+    p = coevo("compare", "micro", "micro", "--workdir", w, "--out", plot, "--format", "csv",
+              "--a-as-of", "micro/r1/evaluate")
+    rows = [r for r in csv.DictReader(io.StringIO(p.stdout)) if r["level"] == "all"]
+    then, now = "micro as of micro/r1/evaluate", "micro"
+    assert [(r["round"], r[then] != "", r["delta"]) for r in rows] == [("0", True, "0.0"), ("1", True, "0.0"),
+                                                                       ("2", False, "")], rows
+    _, summary = Store(micro_workdir.path / "store").query(
+        "SELECT round, greedy_acc FROM v_round_summary WHERE experiment_id = 'micro' ORDER BY 1")
+    assert [float(r[now]) for r in rows] == pytest.approx([acc for _, acc in summary], abs=1e-9)
+
+    for args, said in ((["--b-as-of", "micro/r7"], "micro/r7"),
+                       (["--a-as-of", "micro/r1", "--metric", "train_policy/train_loss"], "evaluate/<name>")):
+        p = coevo("compare", "micro", "micro-b", "--workdir", w, "--out", plot, *args, check=False)
+        assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.slow
 def test_export_parquet_and_hf(micro_workdir, tmp_path):
     import pyarrow.parquet as pq
     from datasets import load_from_disk
@@ -300,6 +321,9 @@ def test_forms_offer_what_this_machine_has(micro_workdir, prefect_server, tmp_pa
     assert props["self_evolution"]["config_path"]["enum"] == list(choices.configs)
     assert "- `configs/micro.yaml`: experiment micro, recipe rft" in props["self_evolution"]["config_path"]["description"]
     assert props["run_stage"]["experiment"]["enum"] == ["micro", "micro-b"]
+    # Both are rft experiments: the stages offered are rft's, not coevo's reward-model training.
+    assert set(props["run_stage"]["stage"]["enum"]) == {"bootstrap", "generate", "verify", "score", "filter",
+                                                        "train_policy", "evaluate"}
     assert deps["run_stage"].parameters["workdir"] == str(micro_workdir.path)
     registered = props["evaluate_model"]["registered"]["anyOf"][0]
     assert registered["enum"] == choices.models and registered["type"] == "string"
