@@ -17,9 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from prefect import flow, get_run_logger
-from prefect.artifacts import create_image_artifact, create_link_artifact, create_table_artifact
+from prefect import flow, get_client, get_run_logger
+from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact,
+                               create_table_artifact)
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.runtime import flow_run as flow_run_ctx
+from prefect.settings import get_current_settings
+from prefect.utilities.urls import url_for
 from pydantic import Field
 
 from components import storage
@@ -97,8 +101,6 @@ def _tracker(cfg: ExperimentConfig, link: bool = False) -> Tracker:
 
 def _link_runs(tracker: Tracker, mlflow_run_id: str | None, what: str, key: str) -> None:
     """A link artifact on this Prefect flow run to the MLflow run, and the flow run's page on the MLflow run."""
-    from prefect.utilities.urls import url_for
-
     flow_run_id = _flow_run_id()
     prefect_url = url_for("flow-run", obj_id=flow_run_id) if flow_run_id else None
     if prefect_url:
@@ -165,9 +167,6 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
                                                    "prm": ("heldout_prm_step_f1", s.get("prm_step_f1")),
                                                    "orm": ("heldout_greedy_acc", None)})
     tracker.finish_round(round)
-    from prefect.settings import get_current_settings
-    from prefect.utilities.urls import url_for
-
     ui = get_current_settings().ui_url
     links = {"round_run": url_for("flow-run", obj_id=_flow_run_id()) if _flow_run_id() else None,
              "table": f"{ui}/artifacts/key/{_key(f'{cfg.experiment}-round-{round}')}" if ui else None,
@@ -186,14 +185,9 @@ class RoundIndex:
         self.rows.append(summary)
         body = self.markdown()
         if self.artifact_id is None:
-            from prefect.artifacts import create_markdown_artifact
-
             self.artifact_id = create_markdown_artifact(body, key=_key(f"{self.experiment}-rounds"),
                                                         description=f"coevo {self.experiment}: rounds so far")
             return
-        from prefect import get_client
-        from prefect.client.schemas.actions import ArtifactUpdate
-
         with get_client(sync_client=True) as client:
             client.update_artifact(self.artifact_id, ArtifactUpdate(data=body))
 

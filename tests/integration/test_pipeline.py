@@ -187,6 +187,24 @@ def test_evaluate_model_scores_any_model_path_like_the_round(micro_run, prefect_
     assert runs[0].data.metrics["evaluate/greedy_acc"] == pytest.approx(want[-1])
 
 
+def test_evaluate_model_takes_a_registered_model(micro_run, prefect_server, tmp_path):
+    """The form's other way to name a model: `models:/micro-policy@current` is fetched from the registry and
+    scores round 2's accuracy (its eval run goes to an MLflow experiment of its own, not micro's)."""
+    from flows.evolution import evaluate_model
+
+    cfg, store, w = micro_run
+    overrides = [f"workdir={tmp_path}", "experiment=eval-registered",
+                 f"tracking.tracking_uri=sqlite:///{w.path / 'mlflow.db'}"]
+    metrics = evaluate_model(registered="models:/micro-policy@current", config_path=str(w.config),
+                             overrides=overrides)
+    want = store.query("SELECT value FROM evaluations WHERE experiment_id='micro' AND round=2 AND level=-1 "
+                       "AND metric='greedy_acc'")[1][0][0]
+    assert metrics["greedy_acc"] == pytest.approx(want)
+    assert (tmp_path / "eval-registered" / "evals" / "micro-policy-current" / "a1" / "manifest.json").is_file()
+    with pytest.raises(ValueError, match="give one of model"):
+        evaluate_model(model="x", registered="models:/micro-policy@current", config_path=str(w.config))
+
+
 def test_every_stage_reads_only_what_it_declares(micro_run, tmp_path):
     cfg, store, _ = micro_run
     assert_plans_read_what_they_declare(cfg, store, tmp_path)
