@@ -96,7 +96,7 @@ class BootstrapConfig(_Section):
 
 
 class SearchConfig(_Section):
-    """PRM-guided step-level sampling (components/search.py): needs a previous round's PRM."""
+    """PRM-guided step-level sampling (components/search/step_search.py): needs a previous round's PRM."""
 
     method: Literal["prm_step"] = "prm_step"
     max_tries: int = Field(4, ge=1, description="Draws of one step at most; the best-scored is kept.")

@@ -1,0 +1,216 @@
+"""Monte Carlo tree search over solution steps, batched across problems, on a token budget.
+
+    trees, spent = mcts_search(prompts, expand, value, reward, MCTSConfig(simulations=16, expansions=4))
+    rows = node_rows(trees[0])                 # the tree, one row per node, for the store's `nodes` table
+    pairs = sibling_pairs(trees[0], margin=0.3)  # step preferences: same prefix, Q apart by the margin
+
+A node is one step; the root is the problem. Each simulation, for every tree still open:
+
+1. **Select** a leaf from the root by PUCT (AlphaZero; rStar-Math, Guan et al. 2025): the child maximising
+   `Q + c_puct * prior * sqrt(N_parent) / (1 + N_child)`, an unvisited child scoring `fpu` for Q. Ties go to
+   the lower node id, so a search is deterministic given its callbacks.
+2. **Expand** it with K candidate steps from the policy, one call for the leaves of every tree (so a backend
+   call carries many nodes, and the prefixes they share are the cache's). Priors are the candidates'
+   length-normalised sequence probabilities, normalised over the K siblings.
+3. **Evaluate** each new child: the verifier's reward where the step ends the solution, else the value
+   source (a PRM's score of the prefix, or rollouts' mean reward).
+4. **Back up** each child's value along its path: visits + 1 and the value added on every node to the root.
+
+A terminal leaf selected again backs up its reward once more (its Q is exact, so visits pile up where the
+search believes). The budget counts generated tokens, the expansions' and whatever the value source reports,
+as every other sampler does, so searches compare with plain sampling at equal tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One proposed step: its text, its summed log-probability, its tokens, and whether it ends the solution."""
+
+    text: str
+    logprob: float
+    tokens: int
+    terminal: bool
+
+
+@dataclass
+class Node:
+    node_id: int
+    parent_id: int | None
+    text: str  # this step's text; the root's is empty
+    depth: int
+    prior: float
+    tokens: int  # generated for this step
+    terminal: bool = False
+    reward: float | None = None  # the verifier's, at a terminal node
+    value: float | None = None  # the value source's first estimate, at a non-terminal node
+    visits: int = 0
+    value_sum: float = 0.0
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def q(self) -> float | None:
+        return self.value_sum / self.visits if self.visits else None
+
+
+@dataclass(frozen=True)
+class MCTSConfig:
+    simulations: int = 16  # selection rounds per tree
+    expansions: int = 4  # K candidate steps per expanded leaf
+    c_puct: float = 1.5
+    fpu: float = 0.0  # Q assumed for an unvisited child ("first-play urgency")
+    max_depth: int = 16  # steps; a leaf this deep is evaluated, never expanded
+    token_budget: int | None = None  # stop once the search has generated this many tokens, all trees together
+
+    def __post_init__(self) -> None:
+        for name in ("simulations", "expansions", "max_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"mcts.{name} must be >= 1, got {getattr(self, name)}")
+        if self.c_puct < 0:
+            raise ValueError(f"mcts.c_puct must be >= 0, got {self.c_puct}")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"mcts.token_budget must be >= 1 (or null), got {self.token_budget}")
+
+
+class Tree:
+    """One problem's search tree; node 0 is the root (the prompt)."""
+
+    def __init__(self, prompt: str):
+        self.prompt = prompt
+        self.nodes: list[Node] = [Node(0, None, "", 0, 1.0, 0)]
+
+    def path(self, node_id: int) -> list[Node]:
+        """The nodes from the root to `node_id`, both included."""
+        out = []
+        at: int | None = node_id
+        while at is not None:
+            out.append(self.nodes[at])
+            at = self.nodes[at].parent_id
+        return out[::-1]
+
+    def prefix(self, node_id: int) -> str:
+        """The solution so far: the steps from the root to `node_id`, joined as they were generated."""
+        return "".join(n.text for n in self.path(node_id))
+
+    def add(self, parent_id: int, c: Candidate, prior: float) -> Node:
+        parent = self.nodes[parent_id]
+        node = Node(len(self.nodes), parent_id, c.text, parent.depth + 1, prior, c.tokens, terminal=c.terminal)
+        self.nodes.append(node)
+        parent.children.append(node.node_id)
+        return node
+
+    def backup(self, node_id: int, value: float) -> None:
+        for n in self.path(node_id):
+            n.visits += 1
+            n.value_sum += value
+
+    def select(self, cfg: MCTSConfig) -> Node:
+        """From the root down by PUCT to a node without children (a leaf or a terminal)."""
+        node = self.nodes[0]
+        while node.children:
+            sqrt_n = math.sqrt(max(node.visits, 1))
+
+            def score(cid: int) -> tuple[float, int]:
+                c = self.nodes[cid]
+                q = c.q if c.q is not None else cfg.fpu
+                return q + cfg.c_puct * c.prior * sqrt_n / (1 + c.visits), -cid
+
+            node = self.nodes[max(node.children, key=score)]
+        return node
+
+    def best_leaf(self) -> Node:
+        """The terminal node with the highest Q (most visits, then lowest id, on ties); else the deepest
+        most-visited node: what the search returns as its answer."""
+        done = [n for n in self.nodes if n.terminal]
+        if done:
+            return max(done, key=lambda n: (n.q if n.q is not None else -math.inf, n.visits, -n.node_id))
+        return max(self.nodes, key=lambda n: (n.depth, n.visits, -n.node_id))
+
+
+def _priors(cands: list[Candidate]) -> list[float]:
+    """Softmax over the candidates' per-token log-probabilities: the policy's preference among siblings,
+    without favouring short steps."""
+    per_token = [c.logprob / max(c.tokens, 1) for c in cands]
+    top = max(per_token)
+    w = [math.exp(x - top) for x in per_token]
+    return [x / sum(w) for x in w]
+
+
+def mcts_search(prompts: list[str],
+                expand: Callable[[list[tuple[str, str]], int], list[list[Candidate]]],
+                value: Callable[[list[tuple[str, str]]], tuple[list[float], int]],
+                reward: Callable[[str, str], float],
+                cfg: MCTSConfig) -> tuple[list[Tree], int]:
+    """Search each prompt's tree (module docstring); returns the trees and the tokens generated.
+
+    `expand(pairs, k)` gets (prompt, prefix) pairs and returns k candidate steps for each; `value(pairs)`
+    returns a value in [0, 1] for each prefix and the tokens it generated (0 for a PRM; rollouts' tokens);
+    `reward(prompt, solution)` is the verifier's at a terminal node.
+    """
+    trees = [Tree(p) for p in prompts]
+    spent = 0
+    for _ in range(cfg.simulations):
+        if cfg.token_budget is not None and spent >= cfg.token_budget:
+            break
+        leaves = [(t, t.select(cfg)) for t in trees]
+        for t, leaf in leaves:  # an exact leaf: its reward again, no tokens
+            if leaf.terminal or leaf.depth >= cfg.max_depth and leaf.visits:
+                t.backup(leaf.node_id, leaf.reward if leaf.terminal else leaf.q)
+        grow = [(t, leaf) for t, leaf in leaves if not leaf.terminal and not (leaf.depth >= cfg.max_depth and leaf.visits)]
+        if not grow:
+            continue
+        proposals = expand([(t.prompt, t.prefix(leaf.node_id)) for t, leaf in grow], cfg.expansions)
+        if len(proposals) != len(grow):
+            raise ValueError(f"mcts: expand returned {len(proposals)} lists of candidates for {len(grow)} leaves")
+        new: list[tuple[Tree, Node]] = []
+        for (t, leaf), cands in zip(grow, proposals):
+            if not cands:  # the policy ended the solution here: a terminal, for the verifier to judge
+                leaf.terminal = True
+                new.append((t, leaf))
+                continue
+            spent += sum(c.tokens for c in cands)
+            new += [(t, t.add(leaf.node_id, c, p)) for c, p in zip(cands, _priors(cands))]
+        open_ = [(t, n) for t, n in new if not n.terminal]
+        values, rollout_tokens = value([(t.prompt, t.prefix(n.node_id)) for t, n in open_]) if open_ else ([], 0)
+        if len(values) != len(open_):
+            raise ValueError(f"mcts: value returned {len(values)} values for {len(open_)} prefixes")
+        spent += rollout_tokens
+        for (t, n), v in zip(open_, values):
+            if not 0.0 <= v <= 1.0 or math.isnan(v):
+                raise ValueError(f"mcts: value {v!r} for a prefix of {t.prompt!r} is outside [0, 1]")
+            n.value = v
+            t.backup(n.node_id, v)
+        for t, n in new:
+            if n.terminal:
+                n.reward = float(reward(t.prompt, t.prefix(n.node_id)))
+                t.backup(n.node_id, n.reward)
+    return trees, spent
+
+
+def node_rows(tree: Tree) -> list[dict[str, Any]]:
+    """The tree as rows (the store's `nodes` table, less its ids): one per node, in creation order."""
+    return [{"node_id": n.node_id, "parent_id": n.parent_id, "step_text": n.text, "depth": n.depth,
+             "prior": n.prior, "visits": n.visits, "q": n.q, "value": n.value, "terminal": n.terminal,
+             "reward": n.reward, "tokens": n.tokens} for n in tree.nodes]
+
+
+def sibling_pairs(tree: Tree, margin: float, min_visits: int = 1) -> list[dict[str, Any]]:
+    """Step preferences from the tree (MCTS-DPO, Step-DPO): for each node, each pair of its children with at
+    least `min_visits` visits whose Q differs by at least `margin`, as (prefix, chosen step, rejected step)."""
+    out = []
+    for parent in tree.nodes:
+        kids = sorted((tree.nodes[c] for c in parent.children if tree.nodes[c].visits >= min_visits),
+                      key=lambda n: (-n.q, n.node_id))
+        for i, a in enumerate(kids):
+            for b in kids[i + 1:]:
+                if a.q - b.q >= margin:
+                    out.append({"prompt": tree.prompt, "prefix": tree.prefix(parent.node_id), "chosen": a.text,
+                                "rejected": b.text, "chosen_q": a.q, "rejected_q": b.q,
+                                "chosen_node": a.node_id, "rejected_node": b.node_id})
+    return out

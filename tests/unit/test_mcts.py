@@ -1,0 +1,118 @@
+"""MCTS over steps (components/search/mcts.py) on a problem whose tree is known: reach a target sum in three
+steps of +1, +2 or +3. The policy prefers +1 (the wrong step for a target of 9), the value source is the
+fraction of the remaining distance a prefix can still cover, and the verifier pays 1 at the target.
+
+The search must find the solution the policy alone would not, put its visits on it, back up Q and visits
+consistently, be deterministic, stop at its token budget, and give step preferences where siblings' Q differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from components.search import Candidate, MCTSConfig, mcts_search, node_rows, sibling_pairs
+
+STEPS = 3
+LOGPROBS = {1: -0.2, 2: -1.5, 3: -2.5}  # the policy's preference: +1 first
+
+
+def _total(prefix: str) -> tuple[int, int]:
+    parts = [int(line.removeprefix("+")) for line in prefix.splitlines() if line]
+    return sum(parts), len(parts)
+
+
+def expand(pairs, k):
+    out = []
+    for _, prefix in pairs:
+        _, n = _total(prefix)
+        out.append([Candidate(f"+{d}\n", LOGPROBS[d] * 2, 2, n + 1 == STEPS) for d in (1, 2, 3)][:k])
+    return out
+
+
+def value(pairs):
+    vals = []
+    for prompt, prefix in pairs:
+        target, (s, n) = int(prompt), _total(prefix)
+        left = STEPS - n
+        vals.append(1.0 if s + left <= target <= s + 3 * left else 0.0)
+    return vals, 0
+
+
+def reward(prompt, solution):
+    return float(_total(solution)[0] == int(prompt))
+
+
+def test_the_search_finds_what_the_policy_alone_would_not():
+    trees, spent = mcts_search(["9", "5"], expand, value, reward, MCTSConfig(simulations=12, expansions=3))
+    for tree, target in zip(trees, (9, 5)):
+        best = tree.best_leaf()
+        assert best.terminal and best.reward == 1.0 and _total(tree.prefix(best.node_id))[0] == target
+    nine = trees[0]
+    # The greedy path (+1 +1 +1 = 3) cannot reach 9; the only solution is +3 +3 +3.
+    assert nine.prefix(nine.best_leaf().node_id) == "+3\n+3\n+3\n"
+    root_kids = [nine.nodes[c] for c in nine.nodes[0].children]
+    assert [k.text for k in root_kids] == ["+1\n", "+2\n", "+3\n"]
+    # Backed-up Q ranks the first step right, against the policy's prior.
+    assert max(root_kids, key=lambda k: k.q).text == "+3\n", [(k.text, k.visits, k.q) for k in root_kids]
+    assert root_kids[0].prior > root_kids[1].prior > root_kids[2].prior
+    assert sum(k.prior for k in root_kids) == pytest.approx(1.0)
+    assert spent == sum(n.tokens for t in trees for n in t.nodes)
+
+
+def test_visits_and_values_back_up_consistently():
+    """An inner node is backed up once when it is made (its own value) and once per visit below it; the root
+    only through its children. Exactly, node by node."""
+    trees, _ = mcts_search(["9"], expand, value, reward, MCTSConfig(simulations=10, expansions=3))
+    tree = trees[0]
+    inner = [n for n in tree.nodes if n.children]
+    assert len(inner) > 3
+    for n in inner:
+        own = 0 if n.parent_id is None else 1
+        assert n.visits == own + sum(tree.nodes[c].visits for c in n.children)
+        assert n.value_sum == pytest.approx((n.value or 0.0) * own + sum(tree.nodes[c].value_sum for c in n.children))
+    assert all(n.q is None or 0.0 <= n.q <= 1.0 for n in tree.nodes)
+    rows = node_rows(tree)
+    assert [r["node_id"] for r in rows] == list(range(len(tree.nodes)))
+    assert all(r["parent_id"] is None or r["parent_id"] < r["node_id"] for r in rows)
+    assert {r["depth"] for r in rows if r["terminal"]} == {STEPS}
+    assert all(r["reward"] in (0.0, 1.0) for r in rows if r["terminal"])
+
+
+def test_same_inputs_same_tree_and_the_budget_stops_it():
+    cfg = MCTSConfig(simulations=8, expansions=3)
+    a = [node_rows(t) for t in mcts_search(["9", "7"], expand, value, reward, cfg)[0]]
+    b = [node_rows(t) for t in mcts_search(["9", "7"], expand, value, reward, cfg)[0]]
+    assert a == b
+    trees, spent = mcts_search(["9", "7"], expand, value, reward, MCTSConfig(simulations=8, expansions=3,
+                                                                             token_budget=20))
+    # Each simulation expands one leaf per tree, 3 candidates of 2 tokens: 12 tokens a simulation.
+    assert spent == 24 and len(trees[0].nodes) == 1 + 2 * 3
+
+
+def test_sibling_preferences_follow_q():
+    tree = mcts_search(["9"], expand, value, reward, MCTSConfig(simulations=12, expansions=3))[0][0]
+    pairs = sibling_pairs(tree, margin=0.25)
+    assert pairs and all(p["chosen_q"] - p["rejected_q"] >= 0.25 for p in pairs)
+    root = [p for p in pairs if p["prefix"] == ""]
+    assert {(p["chosen"], p["rejected"]) for p in root} == {("+3\n", "+1\n"), ("+3\n", "+2\n")}
+    assert not sibling_pairs(tree, margin=1.01)
+
+
+@pytest.mark.parametrize("field, value_, said", [
+    ("simulations", 0, "mcts.simulations must be >= 1"),
+    ("expansions", 0, "mcts.expansions must be >= 1"),
+    ("token_budget", 0, "mcts.token_budget must be >= 1"),
+    ("c_puct", -1.0, "mcts.c_puct must be >= 0"),
+])
+def test_settings_out_of_range_are_refused(field, value_, said):
+    with pytest.raises(ValueError, match=said):
+        MCTSConfig(**{field: value_})
+
+
+def test_callbacks_that_break_their_contract_are_named():
+    with pytest.raises(ValueError, match="expand returned 0 lists of candidates for 1 leaves"):
+        mcts_search(["9"], lambda pairs, k: [], value, reward, MCTSConfig(simulations=1))
+    with pytest.raises(ValueError, match=r"value nan for a prefix of '9' is outside \[0, 1\]"):
+        mcts_search(["9"], expand, lambda pairs: ([math.nan] * len(pairs), 0), reward, MCTSConfig(simulations=1))
