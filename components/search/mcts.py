@@ -31,12 +31,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Candidate:
-    """One proposed step: its text, its summed log-probability, its tokens, and whether it ends the solution."""
+    """One proposed step: its text, its summed log-probability, its tokens, and whether it ends the solution.
+    `weight`, where given, is the policy's preference directly (e.g. how many of K draws gave this step)."""
 
     text: str
     logprob: float
     tokens: int
     terminal: bool
+    weight: float | None = None
 
 
 @dataclass
@@ -134,8 +136,11 @@ class Tree:
 
 
 def _priors(cands: list[Candidate]) -> list[float]:
-    """Softmax over the candidates' per-token log-probabilities: the policy's preference among siblings,
-    without favouring short steps."""
+    """The candidates' weights, normalised, where every one has a weight; else a softmax over their per-token
+    log-probabilities: the policy's preference among siblings, without favouring short steps."""
+    if all(c.weight is not None for c in cands):
+        total = sum(c.weight for c in cands)
+        return [c.weight / total for c in cands]
     per_token = [c.logprob / max(c.tokens, 1) for c in cands]
     top = max(per_token)
     w = [math.exp(x - top) for x in per_token]

@@ -116,3 +116,73 @@ def test_callbacks_that_break_their_contract_are_named():
         mcts_search(["9"], lambda pairs, k: [], value, reward, MCTSConfig(simulations=1))
     with pytest.raises(ValueError, match=r"value nan for a prefix of '9' is outside \[0, 1\]"):
         mcts_search(["9"], expand, lambda pairs: ([math.nan] * len(pairs), 0), reward, MCTSConfig(simulations=1))
+
+
+# -- with a policy: components/search/policy.py --------------------------------------------------
+
+class Scripted:
+    """A test double of `GenerationBackend` for one arith problem: K draws per prefix from a script, and
+    rollouts that reach the right answer from the right first step only."""
+
+    STEPS = {"": ["3+4=7", "3+4=7", "3+4=8"], "3+4=7\n": ["7-2=5"] * 3, "3+4=8\n": ["8-2=6"] * 3,
+             "3+4=7\n7-2=5\n": ["#### 5"] * 3, "3+4=8\n8-2=6\n": ["#### 6"] * 3}
+
+    def __init__(self):
+        self.seeds = []
+
+    def generate(self, prompts, n, temperature, top_p, max_new_tokens, seed, stop=None):
+        from components.models.backends import Sample
+
+        self.seeds.append(seed)
+        out = []
+        for p in prompts:
+            prefix = p.removeprefix("3+4-2\n")
+            if stop == ["\n"]:
+                out.append([Sample(t, len(t) + 1, "stop") for t in self.STEPS[prefix][:n]])
+            else:
+                rest = "7-2=5\n#### 5\n" if prefix.startswith("3+4=7") else "#### 6\n"
+                rest = rest if not prefix.endswith("=5\n") else "#### 5\n"
+                out.append([Sample(rest, len(rest), "stop")] * n)
+        return out
+
+
+def test_mcts_with_a_policy_merges_draws_values_by_rollouts_and_counts_every_token():
+    from components.domains.arith import ArithDomain
+    from components.domains.base import Problem
+    from components.search.policy import mcts_sample
+
+    backend = Scripted()
+    problem = Problem.make("arith", 2, "3+4-2\n", "5")
+    trees, samples, stats = mcts_sample(ArithDomain(), backend, [problem], MCTSConfig(simulations=6, expansions=3),
+                                        temperature=0.8, top_p=1.0, max_step_tokens=16, max_new_tokens=32, seed=0,
+                                        rollouts=2)
+    tree = trees[0]
+    first = [tree.nodes[c] for c in tree.nodes[0].children]
+    # Three draws, two the same: two children, priors 2/3 and 1/3; each draw's tokens paid for.
+    assert [(n.text, round(n.prior, 3), n.tokens) for n in first] == [("3+4=7\n", 0.667, 12), ("3+4=8\n", 0.333, 6)]
+    assert [n.value for n in first] == [1.0, 0.0]  # the rollouts' verdicts
+    assert samples[0].text == "3+4=7\n7-2=5\n#### 5\n" and stats["solved"] == 1
+    assert samples[0].num_tokens == sum(n.tokens for n in tree.nodes)
+    rollout_tokens = stats["generated_tokens"] - samples[0].num_tokens
+    assert rollout_tokens > 0 and stats["backend_calls"] == len(backend.seeds) == len(set(backend.seeds))
+    assert {n.reward for n in tree.nodes if n.terminal} <= {0.0, 1.0}
+
+
+def test_mcts_with_the_hf_backend_is_reproducible(tmp_path):
+    from components.domains.arith import ArithDomain
+    from components.models.backends import HFBackend
+    from components.models.tiny import TinyLlamaConfig, create_tiny_llama
+    from components.search.policy import mcts_sample
+
+    model = create_tiny_llama(TinyLlamaConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64),
+                              tmp_path / "m", seed=0)
+    backend = HFBackend(str(model), batch_size=16, device="cpu", progress=False)
+    d = ArithDomain()
+    problems = d.sample_problems(level=2, n=2, seed=0)
+    kw = dict(temperature=1.0, top_p=1.0, max_step_tokens=8, max_new_tokens=16, seed=5, rollouts=1)
+    cfg = MCTSConfig(simulations=3, expansions=2, max_depth=3)
+    a_trees, a, sa = mcts_sample(d, backend, problems, cfg, **kw)
+    b_trees, b, sb = mcts_sample(d, backend, problems, cfg, **kw)
+    assert a == b and sa == sb and [node_rows(t) for t in a_trees] == [node_rows(t) for t in b_trees]
+    assert all(len(t.nodes) > 1 for t in a_trees)
+    assert sa["generated_tokens"] >= sum(s.num_tokens for s in a) > 0
