@@ -118,6 +118,8 @@ def _looks_local(name: str) -> bool:
 
 
 def _run_flow(flow_name: str, /, *, progress_bars: bool = False, **params):
+    from prefect.exceptions import ParameterTypeError
+
     from components.locking import ExperimentLockedError
     from components.storage import StorageError
     from components.store import StoreError
@@ -126,8 +128,8 @@ def _run_flow(flow_name: str, /, *, progress_bars: bool = False, **params):
     try:  # the bars end before an error is printed
         with _progress_bars() if progress_bars else nullcontext():
             return getattr(evolution, flow_name)(**params)
-    except (ExperimentLockedError, StoreError, StorageError, ValueError, FileNotFoundError) as e:
-        fail(str(e), 2)
+    except (ExperimentLockedError, StoreError, StorageError, ValueError, FileNotFoundError, ParameterTypeError) as e:
+        fail(str(e), 2)  # ParameterTypeError: a value outside a flow parameter's type, as the form refuses it
     except Exception as e:  # the flow already logged the traceback
         fail(f"{flow_name} failed: {type(e).__name__}: {e}", 1)
 

@@ -80,7 +80,7 @@ class FormChoices:
                  ) -> FormChoices:
         recipes = _experiment_recipes(workdir)
         return cls(configs=find_configs([REPO / "configs", *config_dirs], log), experiments=sorted(recipes),
-                   stages=_stages_of(recipes.values()), work_pools=_work_pools(),
+                   stages=_stages_of(recipes.values()) or _stages_of(_all_recipes()), work_pools=_work_pools(),
                    models=_registered_models(workdir, log), workdir=str(workdir))
 
     def apply(self, deployment: Any) -> None:
@@ -171,6 +171,12 @@ def _stages_of(recipes) -> list[str]:
             continue
         names |= set(recipe.round_stages(0)) | set(recipe.round_stages(1))
     return [s for s in STAGES if s in names]
+
+
+def _all_recipes() -> list[str]:
+    from components.recipes import RECIPES
+
+    return list(RECIPES)
 
 
 def _work_pools() -> list[str]:

@@ -32,7 +32,7 @@ from components.curriculum import pick_levels
 from components.locking import ExperimentLock
 from components.plots import accuracy_per_round, round_summary
 from components.recipes import RECIPES, get_recipe
-from components.stages import STAGES, PlanningError
+from components.stages import PlanningError
 from components.store import Store
 from components.tracking import Tracker, code_version
 from tasks.stages import stage_task
@@ -43,8 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 # The typed parameters of the flows, which the Prefect UI renders as a form and its API validates before a
 # run exists. Choices that depend on this machine (its configs, the store's experiments, the work pools, the
 # registry's models) are added to the deployment's schema when `coevo serve` starts (flows/deployments.py).
+# `run_stage`'s `stage` stays a string here: its check names the stages of that experiment's recipe, which a
+# type cannot; `coevo serve` offers the stored recipes' stages as its choices.
 RecipeName = Literal[tuple(RECIPES)]  # type: ignore[valid-type]
-StageName = Literal[tuple(STAGES)]  # type: ignore[valid-type]
 Backend = Literal["hf", "vllm", "openai"]
 Round = Annotated[int, Field(ge=0)]
 # The config fields the form sets, by parameter name; everything else goes through `overrides`.
@@ -396,7 +397,7 @@ def import_trajectories(config_path: str, overrides: list[str] | None = None) ->
 
 
 @flow(name="run_stage", log_prints=True)
-def run_stage(experiment: str, round: Round, stage: StageName, downstream: bool = False,
+def run_stage(experiment: str, round: Round, stage: str, downstream: bool = False,
               workdir: str = "workdir") -> dict[str, Any]:
     """Rerun one stage of a round as a new attempt. Its commit marks stale what was computed from the old one:
     the round's later stages and every later round (`coevo status` shows them); `downstream` recomputes them
