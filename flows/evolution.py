@@ -69,8 +69,10 @@ def _load(config_path: str, overrides: list[str] | None, startable: bool = False
 
 
 def check_startable(cfg: ExperimentConfig) -> None:
-    """`cfg.check_startable`: the given model only until round 0's bootstrap committed, the data always."""
-    cfg.check_startable(model=Store.for_config(cfg).committed_run(cfg.experiment, 0, "bootstrap") is None)
+    """`cfg.check_startable`: the data always; the given model only where a stage will load it, until round 0's
+    bootstrap committed (recipe `import` stores trajectories and loads no model)."""
+    cfg.check_startable(model=cfg.recipe != "import" and
+                        Store.for_config(cfg).committed_run(cfg.experiment, 0, "bootstrap") is None)
 
 
 def typed_overrides(overrides: list[str] | None, **fields: Any) -> list[str]:

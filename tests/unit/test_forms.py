@@ -87,3 +87,17 @@ def test_progress_artifact_pace_and_end():
     tee.finished("e/r1/train_policy/a1", False)
     assert sink.shown[-1] == ("e/r1/train_policy/a1", 50.0, "e/r1/train_policy/a1: step 5/10 (50%): failed")
     assert PrefectProgressSink.key("my.exp/r12/train_policy/a3") == "my-exp-r12-train-policy-progress"
+
+
+def test_an_import_needs_no_model(tmp_path, monkeypatch):
+    """`coevo import --config configs/gsm8k.yaml` before `coevo build-model`: recipe import loads no model."""
+    from flows.evolution import check_startable
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    over = [f"workdir={tmp_path}", "experiment=imp"]
+    with pytest.raises(ConfigError, match="policy.model: 'workdir/standin-gsm8k'"):
+        check_startable(load_config(REPO / "configs" / "gsm8k.yaml", over))
+    imports = '[{"path": "tests/data/gsm8k/example_model_solutions.jsonl", "models": ["6b_finetuning"]}]'
+    check_startable(load_config(REPO / "configs" / "gsm8k.yaml", [*over, "recipe=import", "rounds=0",
+                                                                  f"imports={imports}"]))
