@@ -27,13 +27,13 @@ from prefect.utilities.urls import url_for
 from pydantic import Field
 
 from components import storage
-from components.config import ExperimentConfig, load_config
+from components.config import ConfigError, ExperimentConfig, load_config
 from components.curriculum import pick_levels
 from components.locking import ExperimentLock
 from components.plots import accuracy_per_round, round_summary
 from components.recipes import RECIPES, get_recipe
 from components.stages import PlanningError
-from components.store import Store
+from components.store import Store, StoreError
 from components.tracking import Tracker, code_version
 from tasks.stages import stage_task
 
@@ -70,9 +70,18 @@ def _load(config_path: str, overrides: list[str] | None, startable: bool = False
 
 def check_startable(cfg: ExperimentConfig) -> None:
     """`cfg.check_startable`: the data always; the given model only where a stage will load it, until round 0's
-    bootstrap committed (recipe `import` stores trajectories and loads no model)."""
-    cfg.check_startable(model=cfg.recipe != "import" and
-                        Store.for_config(cfg).committed_run(cfg.experiment, 0, "bootstrap") is None)
+    bootstrap committed (recipe `import` stores trajectories and loads no model). The store is read only where
+    the model is missing, so a check of a new shared catalog never opens it."""
+    try:
+        cfg.check_startable(model=cfg.recipe != "import")
+    except ConfigError:
+        try:
+            started = Store.for_config(cfg).committed_run(cfg.experiment, 0, "bootstrap") is not None
+        except StoreError:
+            started = False
+        if not started:
+            raise
+        cfg.check_startable(model=False)
 
 
 def typed_overrides(overrides: list[str] | None, **fields: Any) -> list[str]:
