@@ -142,7 +142,7 @@ def compare(
     format: Annotated[str, typer.Option("--format", "-f", help="table|csv|json")] = "table",
     a_as_of: Annotated[Optional[str], typer.Option(
         "--a-as-of", help="Read the first experiment from the store as it stood after this attempt's commit, "
-                          "<experiment>/r<round>[/<stage>[/a<attempt>]] (e.g. before a rerun).")] = None,
+                          "<experiment>/r<round>\\[/<stage>\\[/a<attempt>]] (e.g. before a rerun).")] = None,
     b_as_of: Annotated[Optional[str], typer.Option("--b-as-of", help="The same for the second.")] = None,
 ) -> None:
     """Compare two experiments round by round: a table and a plot. From the MLflow API; with --a-as-of or
