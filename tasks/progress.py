@@ -1,7 +1,7 @@
 """A running stage's progress on its Prefect task run: a progress artifact, updated as the job reports.
 
-The stage job prints `[generate] batch 3/5` or `[train_policy] step 50/500`; `components.progress` parses
-those lines, and this sink turns them into one progress artifact per stage attempt, keyed
+The stage job prints `[generate] samples 256/1024 (batch 1/4)` or `[train_policy] step 50/500`;
+`components.progress` parses those lines, and this sink turns them into one progress artifact per stage attempt, keyed
 `<experiment>-r<round>-<stage>-progress`, whose description says what is done out of the total. The run
 page's Artifacts tab shows it filling up while the job runs.
 """
