@@ -164,10 +164,14 @@ def mcts_search(prompts: list[str],
         if cfg.token_budget is not None and spent >= cfg.token_budget:
             break
         leaves = [(t, t.select(cfg)) for t in trees]
-        for t, leaf in leaves:  # an exact leaf: its reward again, no tokens
-            if leaf.terminal or leaf.depth >= cfg.max_depth and leaf.visits:
+
+        def final(leaf: Node) -> bool:  # a terminal, or as deep as the search goes: never expanded
+            return leaf.terminal or (leaf.depth >= cfg.max_depth and leaf.visits > 0)
+
+        for t, leaf in leaves:  # its reward (or value) again, no tokens
+            if final(leaf):
                 t.backup(leaf.node_id, leaf.reward if leaf.terminal else leaf.q)
-        grow = [(t, leaf) for t, leaf in leaves if not leaf.terminal and not (leaf.depth >= cfg.max_depth and leaf.visits)]
+        grow = [(t, leaf) for t, leaf in leaves if not final(leaf)]
         if not grow:
             continue
         proposals = expand([(t.prompt, t.prefix(leaf.node_id)) for t, leaf in grow], cfg.expansions)
