@@ -35,6 +35,7 @@ from components.recipes import RECIPES, get_recipe
 from components.stages import PlanningError
 from components.store import Store, StoreError
 from components.tracking import Tracker, code_version
+from tasks.progress import artifact_key
 from tasks.stages import stage_task
 
 CONFIG_SNAPSHOT = "config.yaml"
@@ -107,7 +108,7 @@ def _tracker(cfg: ExperimentConfig, link: bool = False) -> Tracker:
     tracker.start({"config_hash": cfg.config_hash(), "rounds": str(cfg.rounds), "git_sha": code_version() or "unknown",
                    "prefect_flow_run_id": _flow_run_id() or "none", "recipe": cfg.recipe})
     if link:
-        _link_runs(tracker, tracker.parent_run_id, f"{cfg.experiment}: all rounds", _key(f"{cfg.experiment}-mlflow"))
+        _link_runs(tracker, tracker.parent_run_id, f"{cfg.experiment}: all rounds", artifact_key(f"{cfg.experiment}-mlflow"))
     return tracker
 
 
@@ -121,11 +122,6 @@ def _link_runs(tracker: Tracker, mlflow_run_id: str | None, what: str, key: str)
     if mlflow_url:
         create_link_artifact(mlflow_url, link_text=f"MLflow run: {what}", key=key,
                              description=f"The MLflow run of {what}: metrics, params, plots and models.")
-
-
-def _key(text: str) -> str:
-    """A Prefect artifact key: lowercase letters, digits and dashes."""
-    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
 
 
 def _plan_round(cfg: ExperimentConfig, store: Store, round: int) -> list[int]:
@@ -157,7 +153,7 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
                         "dpo_pairs", "truncated", "train_pass_rate") if k in s]
     table += [{"level": "-", "metric": f"timing/{t['stage']}", "value": round_(t["duration_s"]), "n": None}
               for t in timings]
-    create_table_artifact(table, key=_key(f"{cfg.experiment}-round-{round}"),
+    create_table_artifact(table, key=artifact_key(f"{cfg.experiment}-round-{round}"),
                           description=f"coevo {cfg.experiment} round {round}: metrics")
     plot = accuracy_per_round(evals, cfg.experiment_dir / "plots" / "accuracy_per_round.png",
                               title=f"{cfg.experiment}: held-out greedy accuracy")
@@ -170,10 +166,10 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     # The plots as they stood after this round, on the round's run page (served by the MLflow server).
     image = tracker.artifact_url(tracker.round_run(round), "plots/accuracy_per_round.png")
     if image:
-        create_image_artifact(image, key=_key(f"{cfg.experiment}-round-{round}-accuracy"),
+        create_image_artifact(image, key=artifact_key(f"{cfg.experiment}-round-{round}-accuracy"),
                               description=f"coevo {cfg.experiment}: held-out greedy accuracy after round {round}")
     _link_runs(tracker, tracker.round_run(round), f"{cfg.experiment} round {round}",
-               _key(f"{cfg.experiment}-round-{round}-mlflow"))
+               artifact_key(f"{cfg.experiment}-round-{round}-mlflow"))
     _trace_episodes(cfg, store, tracker, round)
     _register_models(cfg, store, tracker, round, {"policy": ("heldout_greedy_acc", s.get("greedy_acc")),
                                                    "prm": ("heldout_prm_step_f1", s.get("prm_step_f1")),
@@ -181,7 +177,7 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     tracker.finish_round(round)
     ui = get_current_settings().ui_url
     links = {"round_run": url_for("flow-run", obj_id=_flow_run_id()) if _flow_run_id() else None,
-             "table": f"{ui}/artifacts/key/{_key(f'{cfg.experiment}-round-{round}')}" if ui else None,
+             "table": f"{ui}/artifacts/key/{artifact_key(f'{cfg.experiment}-round-{round}')}" if ui else None,
              "plot": image, "mlflow": tracker.run_url(tracker.round_run(round))}
     return {"round": round, **{k: v for k, v in s.items() if k != "experiment_id"}, "links": links}
 
@@ -197,7 +193,7 @@ class RoundIndex:
         self.rows.append(summary)
         body = self.markdown()
         if self.artifact_id is None:
-            self.artifact_id = create_markdown_artifact(body, key=_key(f"{self.experiment}-rounds"),
+            self.artifact_id = create_markdown_artifact(body, key=artifact_key(f"{self.experiment}-rounds"),
                                                         description=f"coevo {self.experiment}: rounds so far")
             return
         with get_client(sync_client=True) as client:
@@ -484,7 +480,7 @@ def evaluate_model(model: str | None = None, registered: str | None = None,
                          metrics={f"evaluate/{k}": v for k, v in metrics.items()},
                          params={"model": model, "config_hash": cfg.config_hash()})
     create_table_artifact([{"metric": k, "value": round_(v)} for k, v in sorted(metrics.items())],
-                          key=_key(f"{cfg.experiment}-eval-{name}"),
+                          key=artifact_key(f"{cfg.experiment}-eval-{name}"),
                           description=f"coevo: {uri} on the held-out sets of {cfg.experiment}")
     logger.info(f"{model}: " + ", ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items()) if "greedy" in k)
                 + f" (Parquet and manifest in {out_dir})")

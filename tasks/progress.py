@@ -19,6 +19,15 @@ from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 from components.progress import progress_text
 
 
+def artifact_key(text: str) -> str:
+    """A Prefect artifact key: lowercase letters, digits and dashes.
+
+    >>> artifact_key("my.exp/r12/train_policy-progress")
+    'my-exp-r12-train-policy-progress'
+    """
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+
+
 class PrefectProgressSink:
     """Progress artifacts for the stage attempts run inside one Prefect task run.
 
@@ -40,7 +49,7 @@ class PrefectProgressSink:
     def key(stage_run_id: str) -> str:
         """`micro/r1/train_policy/a2` -> `micro-r1-train-policy-progress`."""
         experiment, rnd, stage, _ = stage_run_id.rsplit("/", 3)
-        return re.sub(r"[^a-z0-9-]+", "-", f"{experiment}-{rnd}-{stage}-progress".lower()).strip("-")
+        return artifact_key(f"{experiment}-{rnd}-{stage}-progress")
 
     def started(self, stage_run_id: str) -> None:
         return None  # the artifact waits for the first line that says how much there is to do
