@@ -107,6 +107,39 @@ class SearchConfig(_Section):
                                   "higher explores away from the flagged mistake.")
 
 
+class MCTSSection(_Section):
+    """MCTS over steps as generate's sampler (components/search/): each problem's tree is searched, and its
+    best terminal leaves are the round's trajectories; every node goes to the store's `nodes` table."""
+
+    simulations: int = Field(16, ge=1, description="Selection rounds per tree.")
+    expansions: int = Field(4, ge=1, description="K candidate steps drawn for each expanded leaf (the tree's width).")
+    c_puct: float = Field(1.5, ge=0.0, description="PUCT's exploration weight: Q + c_puct * prior * sqrt(N) / (1 + n).")
+    fpu: float = Field(0.0, ge=0.0, le=1.0, description="The Q an unvisited child counts as.")
+    max_depth: int = Field(16, ge=1, description="Steps per solution at most; a leaf this deep is never expanded.")
+    max_step_tokens: int = Field(32, ge=1, description="Tokens of one drawn step at most.")
+    token_budget: int | None = Field(
+        None, ge=1, description="Generated tokens per problem (expansions, duplicate draws and rollouts), pooled over "
+                                "the round's trees; the search stops when they are spent. Null: simulations only.")
+    value: Literal["rollouts", "prm"] = Field(
+        "rollouts", description="What values a prefix that is not terminal: 'rollouts' (the share of `rollouts` "
+                                "completions from it the verifier accepts) or 'prm' (the previous round's PRM on its "
+                                "last step; round 1, with no PRM yet, uses rollouts).")
+    rollouts: int = Field(2, ge=0, description="Completions per valued prefix.")
+
+    @model_validator(mode="after")
+    def _sources(self) -> MCTSSection:
+        one = self.expansions * self.max_step_tokens
+        if self.token_budget is not None and self.token_budget < one:
+            raise ValueError(f"generate.mcts.token_budget ({self.token_budget}) is less than one expansion "
+                             f"(expansions x max_step_tokens = {self.expansions} x {self.max_step_tokens} = {one}): "
+                             "raise it, or set it to null")
+        if self.rollouts < 1:
+            why = ("round 1 has no PRM yet" if self.value == "prm" else "value=rollouts")
+            raise ValueError(f"generate.mcts has no value source: {why} and rollouts=0; set generate.mcts.rollouts "
+                             ">= 1")
+        return self
+
+
 class GenerateConfig(_Section):
     backend: str = Field("hf", description="What samples in generate, score and evaluate: 'hf' (transformers "
                                            "generate), 'vllm' (the offline engine in the job, run in .venv-vllm: "
@@ -124,6 +157,10 @@ class GenerateConfig(_Section):
     search: SearchConfig | None = Field(
         None, description="Null: plain sampling. Otherwise each sample is built step by step, the previous "
                           "round's PRM judging each step (recipe coevo; round 1, with no PRM yet, samples plainly).")
+    mcts: MCTSSection | None = Field(
+        None, description="Null: plain sampling. Otherwise one MCTS tree per problem (PUCT over steps, the verifier at "
+                          "terminal nodes), and up to samples_per_problem of its best distinct terminal leaves become "
+                          "the problem's trajectories.")
     until_correct: int | None = Field(
         None, ge=1, description="Null: samples_per_problem for every problem. Otherwise rejection sampling in waves "
                                 "(DART-Math): each wave draws wave_size samples for the problems with fewer than "
@@ -145,6 +182,9 @@ class GenerateConfig(_Section):
         if self.until_correct is not None and self.until_correct > self.samples_per_problem:
             raise ValueError(f"generate.until_correct ({self.until_correct}) can never be met with "
                              f"samples_per_problem={self.samples_per_problem}: lower it or draw more")
+        if self.mcts is not None and (self.search is not None or self.until_correct is not None):
+            other = "generate.search" if self.search is not None else "generate.until_correct"
+            raise ValueError(f"generate.mcts is a sampler of its own: set {other}=null, or generate.mcts=null")
         if self.wave_size > self.samples_per_problem:
             raise ValueError(f"generate.wave_size ({self.wave_size}) exceeds samples_per_problem "
                              f"({self.samples_per_problem})")
@@ -603,6 +643,9 @@ class ExperimentConfig(_Section):
         if self.generate.search is not None and not self.train_reward.enabled:
             raise ValueError("generate.search is guided by the previous round's PRM: set train_reward.enabled=true "
                              "(recipe coevo), or generate.search=null")
+        if self.generate.mcts is not None and self.generate.mcts.value == "prm" and not self.train_reward.enabled:
+            raise ValueError("generate.mcts.value=prm values prefixes with the previous round's PRM: set "
+                             "train_reward.enabled=true (recipe coevo), or generate.mcts.value=rollouts")
         if self.evaluate.best_of_n and not self.train_reward.enabled and self.score.reward_model != "implicit":
             raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
                              "train_reward.enabled=true (recipe coevo), score.reward_model=implicit, or best_of_n=[]")
@@ -624,6 +667,7 @@ class ExperimentConfig(_Section):
                        "score.reward_model": self.score.reward_model != "none",
                        "train_reward.enabled": self.train_reward.enabled,
                        "generate.search": self.generate.search is not None,
+                       "generate.mcts": self.generate.mcts is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
                        "train_policy.method": self.train_policy.method not in ("sft", "grpo"),

@@ -113,3 +113,58 @@ def generate_until_correct(
         w += 1
     stats |= {"waves": w, "unmet": len(pending)}
     return GeneratedBatch(rows, trajs, steps), stats
+
+
+def search_tree_id(experiment: str, round: int, purpose: str, problem_id: str) -> str:
+    """Stable id of a problem's search tree in a stage: a rerun writes the same ids, as trajectories do."""
+    return hashlib.sha256(f"{experiment}|{round}|{purpose}|{problem_id}|tree".encode()).hexdigest()[:24]
+
+
+def generate_mcts(
+    domain: Domain, backend: GenerationBackend, problems: list[Problem], search: Any, *, experiment: str,
+    round: int, purpose: str, policy_model_id: str, n: int, temperature: float, top_p: float, max_new_tokens: int,
+    seed: int, value: Callable[[list[tuple[str, str]]], tuple[list[float], int]] | None = None,
+    progress: Callable[[str], None] | None = None, split: str = "train",
+) -> tuple[GeneratedBatch, list[dict[str, Any]], dict[str, float]]:
+    """One MCTS tree per problem (`search`: the config's `generate.mcts`), and up to `n` of each tree's best
+    terminal leaves as its trajectories (`Tree.returned`). Returns the batch, the trees as `nodes` rows (each
+    returned leaf naming its trajectory) and the search's statistics. A trajectory's `num_tokens` is its own
+    solution's; `discarded_tokens` is the rest of what the search generated (siblings, duplicates, rollouts)."""
+    from components.search.mcts import MCTSConfig, node_rows
+    from components.search.policy import mcts_sample
+
+    cfg = MCTSConfig(simulations=search.simulations, expansions=search.expansions, c_puct=search.c_puct,
+                     fpu=search.fpu, max_depth=search.max_depth,
+                     token_budget=None if search.token_budget is None else search.token_budget * len(problems))
+
+    def report(sim: int, spent: int) -> None:
+        if progress:
+            progress(f"simulation {sim}/{cfg.simulations}: {spent} tokens")
+
+    trees, _, stats = mcts_sample(domain, backend, problems, cfg, temperature=temperature, top_p=top_p,
+                                  max_step_tokens=search.max_step_tokens, max_new_tokens=max_new_tokens, seed=seed,
+                                  rollouts=search.rollouts, value=value, progress=report)
+    trajs, steps, nodes = [], [], []
+    for p, tree in zip(problems, trees, strict=True):
+        tree_id = search_tree_id(experiment, round, purpose, p.problem_id)
+        became: dict[int, str] = {}
+        for idx, leaf in enumerate(tree.returned(n)):
+            tid = became[leaf.node_id] = trajectory_id(experiment, round, purpose, p.problem_id, idx)
+            text = tree.prefix(leaf.node_id)
+            trajs.append({
+                "trajectory_id": tid, "experiment_id": experiment, "round": round, "purpose": purpose,
+                "problem_id": p.problem_id, "level": p.level, "policy_model_id": policy_model_id,
+                "sample_index": idx, "prompt": p.prompt, "completion": text, "answer": domain.extract_answer(text),
+                "num_tokens": tree.path_tokens(leaf.node_id), "finish_reason": "stop" if leaf.terminal else "length",
+                "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
+                "token_ids": None,
+            })
+            steps.extend({"trajectory_id": tid, "step_index": k, "text": s}
+                         for k, s in enumerate(domain.split_steps(text)))
+        nodes += [{"tree_id": tree_id, "experiment_id": experiment, "round": round, "purpose": purpose,
+                   "problem_id": p.problem_id} | row | {"trajectory_id": became.get(row["node_id"])}
+                  for row in node_rows(tree)]
+    batch = GeneratedBatch([problem_row(p, split) for p in problems], trajs, steps)
+    stats = {**stats, "discarded_tokens": stats["generated_tokens"] - batch.num_tokens,
+             "right_leaves": sum(int(x.terminal and x.reward == 1.0) for t in trees for x in t.nodes)}
+    return batch, nodes, stats

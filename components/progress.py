@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 # What the jobs print: `[train_policy] step 50/500, loss 0.41`, `[generate] samples 256/1024 (batch 1/4)`.
-_PROGRESS = re.compile(r"\b(?:step|batch|samples|problems|episodes)\s+(\d+)\s*/\s*(\d+)\b", re.IGNORECASE)
+_PROGRESS = re.compile(r"\b(?:step|batch|samples|problems|episodes|simulation)\s+(\d+)\s*/\s*(\d+)\b", re.IGNORECASE)
 
 
 def progress_text(line: str) -> str | None:
@@ -44,6 +44,8 @@ def parse_progress(line: str) -> tuple[int, int] | None:
     (3, 5)
     >>> parse_progress("[generate] samples 256/1024 (batch 1/4)")
     (256, 1024)
+    >>> parse_progress("[generate] simulation 3/16: 2048 tokens")
+    (3, 16)
     >>> parse_progress("[verify] 12/40 correct") is None
     True
     >>> parse_progress("[generate] batch 1/0") is None

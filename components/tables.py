@@ -312,6 +312,30 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         _STAGE_RUN,
     ),
     _table(
+        # A search tree (generate.mcts), one row per node: the root is the problem (node 0, no step), every other
+        # node one step the policy drew. Q is the mean backed-up value (verifier's reward at terminal nodes, the
+        # value source's elsewhere); a leaf the search returned names the trajectory it became.
+        "nodes", ("tree_id", "node_id"),
+        col("tree_id", STR, null=False),  # one per problem and stage: hash of experiment, round, purpose, problem
+        col("node_id", INT, null=False),  # 0 is the root; ids grow in creation order
+        col("experiment_id", STR, null=False),
+        col("round", INT, null=False),
+        col("purpose", STR, null=False),  # train (generate)
+        col("problem_id", STR, null=False),
+        col("parent_id", INT),  # NULL at the root
+        col("step_text", STR, null=False),  # this node's step; '' at the root
+        col("depth", INT, null=False),  # steps from the root
+        col("prior", FLOAT, null=False),  # the policy's share among its siblings (of the K draws, the duplicates')
+        col("visits", INT, null=False),
+        col("q", FLOAT),  # mean backed-up value; NULL where never visited
+        col("value", FLOAT),  # the value source's first estimate of a non-terminal node
+        col("terminal", BOOL, null=False),  # ends the solution: the answer line, EOS, or the step cap
+        col("reward", FLOAT),  # the verifier's, at a terminal node
+        col("tokens", INT, null=False),  # generated for this step, its duplicate draws included
+        col("trajectory_id", STR),  # the trajectory this leaf became, where the search returned it
+        _STAGE_RUN,
+    ),
+    _table(
         "round_plans", ("experiment_id", "round"),
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),

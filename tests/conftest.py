@@ -37,7 +37,8 @@ os.environ.setdefault("COEVO_TORCH_THREADS", "1")
 SHARED_RUNS = {  # group: (the session fixture, the paths of the tests that use it)
     "fault": ("fault_runs", ("tests/fault/",)),
     "micro": ("micro_workdir", ("tests/integration/test_pipeline.py", "tests/integration/test_coevo_recipe.py",
-                                "tests/integration/test_implicit_prm.py", "tests/ops/")),
+                                "tests/integration/test_implicit_prm.py", "tests/integration/test_search.py",
+                                "tests/ops/")),
 }
 SLOW_DIRS = ("tests/integration/", "tests/extension/", "tests/ui/", "tests/ops/", "tests/fault/")
 

@@ -48,7 +48,8 @@ class Node:
     text: str  # this step's text; the root's is empty
     depth: int
     prior: float
-    tokens: int  # generated for this step
+    tokens: int  # generated for this step, its duplicate draws included
+    draws: int = 1  # how many of the K draws gave this step (their tokens are all in `tokens`)
     terminal: bool = False
     reward: float | None = None  # the verifier's, at a terminal node
     value: float | None = None  # the value source's first estimate, at a non-terminal node
@@ -102,7 +103,8 @@ class Tree:
 
     def add(self, parent_id: int, c: Candidate, prior: float) -> Node:
         parent = self.nodes[parent_id]
-        node = Node(len(self.nodes), parent_id, c.text, parent.depth + 1, prior, c.tokens, terminal=c.terminal)
+        node = Node(len(self.nodes), parent_id, c.text, parent.depth + 1, prior, c.tokens,
+                    draws=max(int(c.weight or 1), 1), terminal=c.terminal)
         self.nodes.append(node)
         parent.children.append(node.node_id)
         return node
@@ -135,6 +137,18 @@ class Tree:
         return max(self.nodes, key=lambda n: (n.depth, n.visits, -n.node_id))
 
 
+    def returned(self, n: int) -> list[Node]:
+        """The leaves a search hands back as samples: up to `n` terminal nodes, best Q first (most visits, then
+        lowest id, on ties); where none ended, the `best_leaf` alone."""
+        done = sorted((x for x in self.nodes if x.terminal),
+                      key=lambda x: (-(x.q if x.q is not None else -math.inf), -x.visits, x.node_id))
+        return done[:n] or [self.best_leaf()]
+
+    def path_tokens(self, node_id: int) -> int:
+        """The tokens of the solution that ends at `node_id`: one draw of each step on its path."""
+        return sum(x.tokens // x.draws for x in self.path(node_id))
+
+
 def _priors(cands: list[Candidate]) -> list[float]:
     """The candidates' weights, normalised, where every one has a weight; else a softmax over their per-token
     log-probabilities: the policy's preference among siblings, without favouring short steps."""
@@ -151,16 +165,17 @@ def mcts_search(prompts: list[str],
                 expand: Callable[[list[tuple[str, str]], int], list[list[Candidate]]],
                 value: Callable[[list[tuple[str, str]]], tuple[list[float], int]],
                 reward: Callable[[str, str], float],
-                cfg: MCTSConfig) -> tuple[list[Tree], int]:
+                cfg: MCTSConfig, progress: Callable[[int, int], None] | None = None) -> tuple[list[Tree], int]:
     """Search each prompt's tree (module docstring); returns the trees and the tokens generated.
 
     `expand(pairs, k)` gets (prompt, prefix) pairs and returns k candidate steps for each; `value(pairs)`
     returns a value in [0, 1] for each prefix and the tokens it generated (0 for a PRM; rollouts' tokens);
-    `reward(prompt, solution)` is the verifier's at a terminal node.
+    `reward(prompt, solution)` is the verifier's at a terminal node; `progress(simulation, tokens)`, where given,
+    is called after each simulation.
     """
     trees = [Tree(p) for p in prompts]
     spent = 0
-    for _ in range(cfg.simulations):
+    for sim in range(cfg.simulations):
         if cfg.token_budget is not None and spent >= cfg.token_budget:
             break
         leaves = [(t, t.select(cfg)) for t in trees]
@@ -173,6 +188,8 @@ def mcts_search(prompts: list[str],
                 t.backup(leaf.node_id, leaf.reward if leaf.terminal else leaf.q)
         grow = [(t, leaf) for t, leaf in leaves if not final(leaf)]
         if not grow:
+            if progress:
+                progress(sim + 1, spent)
             continue
         proposals = expand([(t.prompt, t.prefix(leaf.node_id)) for t, leaf in grow], cfg.expansions)
         if len(proposals) != len(grow):
@@ -199,6 +216,8 @@ def mcts_search(prompts: list[str],
             if n.terminal:
                 n.reward = float(reward(t.prompt, t.prefix(n.node_id)))
                 t.backup(n.node_id, n.reward)
+        if progress:
+            progress(sim + 1, spent)
     return trees, spent
 
 

@@ -79,10 +79,22 @@ def rollout_value(domain: Domain, backend: GenerationBackend, calls: _Calls, ans
     return value
 
 
+def prm_value(domain: Domain, score_steps: Callable[[list[str], list[list[str]]], list[list[float]]],
+              ) -> Callable[[list[tuple[str, str]]], tuple[list[float], int]]:
+    """A prefix's value: a PRM's P(good) of its last step, in the context of the steps before it (no tokens)."""
+    def value(pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
+        steps = [domain.split_steps(prefix) for _, prefix in pairs]
+        scores = score_steps([p for p, _ in pairs], steps)
+        return [min(max(float(sc[-1]), 0.0), 1.0) if sc else 0.5 for sc in scores], 0
+
+    return value
+
+
 def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Problem], cfg: MCTSConfig, *,
                 temperature: float, top_p: float, max_step_tokens: int, max_new_tokens: int, seed: int,
                 rollouts: int = 2,
                 value: Callable[[list[tuple[str, str]]], tuple[list[float], int]] | None = None,
+                progress: Callable[[int, int], None] | None = None,
                 ) -> tuple[list[Tree], list[Sample], dict[str, Any]]:
     """One tree per problem; each problem's answer is its tree's best leaf (`Tree.best_leaf`), as a Sample whose
     tokens are the whole search's for that tree. `value` (a PRM's, say) replaces the rollouts."""
@@ -98,7 +110,7 @@ def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Probl
     def reward(prompt: str, solution: str) -> float:
         return float(domain.verify([solution], [answers[prompt]])[0] or 0.0)
 
-    trees, spent = mcts_search([p.prompt for p in problems], expand, value, reward, cfg)
+    trees, spent = mcts_search([p.prompt for p in problems], expand, value, reward, cfg, progress)
     samples = []
     for t in trees:
         leaf = t.best_leaf()

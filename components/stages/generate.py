@@ -21,7 +21,7 @@ class Inputs:
     policy_uri: str
     policy_model_id: str
     problem_seeds: dict[str, int]  # one per level (the shard), so adding a level does not reshuffle the others
-    search_prm_uri: str | None = None  # the previous round's PRM, where generate.search is on
+    search_prm_uri: str | None = None  # the previous round's PRM, where generate.search (or mcts.value=prm) is on
     search_prm_id: str | None = None
 
 
@@ -33,7 +33,9 @@ def plan(p: Planner) -> Inputs:
     policy = p.model(p.round - 1)
     inputs = Inputs(levels=levels, policy_uri=policy["uri"], policy_model_id=policy["model_id"],
                     problem_seeds={str(lv): derive_seed(cfg.seed, p.round, "problems", lv) for lv in levels})
-    prm = p.optional_model(p.round - 1, "prm") if cfg.generate.search is not None else None
+    g = cfg.generate
+    guided = g.search is not None or (g.mcts is not None and g.mcts.value == "prm")
+    prm = p.optional_model(p.round - 1, "prm") if guided else None
     if prm:  # round 1 has no PRM yet: it samples plainly
         inputs.search_prm_uri, inputs.search_prm_id = prm["uri"], prm["model_id"]
     return inputs
@@ -52,13 +54,16 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         mine = spec.share(p.problem_id for p in problems)
         problems = [p for p in problems if p.problem_id in mine]
     per = (f"up to {g.samples_per_problem} samples each, {g.wave_size} per wave until {g.until_correct} right"
-           if g.until_correct else f"{g.samples_per_problem} samples each")
+           if g.until_correct else f"one MCTS tree each, up to {g.samples_per_problem} of its leaves returned"
+           if g.mcts else f"{g.samples_per_problem} samples each")
     log("generate", f"{len(problems)} problems at levels {inp.levels}, {per}"
                     + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
     t0 = time.perf_counter()
     backend = backend_of(spec, inp.policy_uri)
     if is_agent(domain):
         return _episodes(spec, out, domain, backend, inp, problems, t0)
+    if g.mcts is not None:
+        return _mcts(spec, out, domain, backend, inp, problems, t0)
     search_stats: dict[str, float] = {}
     search = _step_search(spec, domain, backend, inp, search_stats) if inp.search_prm_uri else None
     wave_stats: dict[str, float] = {}
@@ -113,6 +118,38 @@ def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs
             | backend_metrics(backend))
 
 
+def _mcts(spec: StageSpec, out: StageOutputWriter, domain, backend, inp: Inputs, problems: list, t0: float,
+          ) -> dict[str, float]:
+    """A tree per problem; its best terminal leaves are the trajectories, and every node goes to `nodes`."""
+    from components.generation import generate_mcts
+    from components.search.policy import prm_value
+
+    g = spec.cfg().generate
+    m = g.mcts
+    value = None
+    if inp.search_prm_uri:
+        value = prm_value(domain, reward_model_of(spec, "prm", inp.search_prm_uri).score_steps)
+    source = (f"the PRM {inp.search_prm_id}" if value else f"{m.rollouts} rollouts per prefix")
+    budget = f", {m.token_budget} tokens per problem" if m.token_budget else ""
+    log("generate", f"MCTS: {m.simulations} simulations, {m.expansions} draws per expansion, c_puct {m.c_puct}, "
+                    f"values from {source}{budget}")
+    if hasattr(backend, "progress"):
+        backend.progress = False  # its per-call counts would interleave with the simulations', which say more
+    batch, nodes, stats = generate_mcts(
+        domain, backend, problems, m, experiment=spec.experiment, round=spec.round, purpose="train",
+        policy_model_id=inp.policy_model_id, n=g.samples_per_problem, temperature=g.temperature, top_p=g.top_p,
+        max_new_tokens=g.max_new_tokens, seed=spec.seed, value=value, progress=lambda msg: log("generate", msg))
+    dt = time.perf_counter() - t0
+    write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps, nodes=nodes)
+    log("generate", f"{len(batch.trajectories)} trajectories from {len(problems)} trees of {stats['nodes']} nodes; "
+                    f"{stats['generated_tokens']} tokens generated in {dt:.1f}s, {stats['right_leaves']} right leaves")
+    # The round's budget (v_round_summary) is the trajectories' tokens plus search_discarded_tokens: the whole
+    # search's. The difference is negative where returned leaves share steps, which each trajectory counts.
+    return ({"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": batch.num_tokens,
+             "tokens_per_s": stats["generated_tokens"] / max(dt, 1e-9)}
+            | {f"search_{k}": float(v) for k, v in stats.items()} | backend_metrics(backend))
+
+
 def _step_search(spec: StageSpec, domain, backend, inp: Inputs, stats: dict[str, float]):
     """A `sample` function for `generate`: each step drawn until the previous round's PRM accepts it."""
     from components.search import prm_step_search
@@ -140,5 +177,5 @@ def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple
 
 
 STAGE = Stage(name="generate", section="generate", gpu=True, reads=(),
-              writes=("problems", "trajectories", "steps", "turns"),
+              writes=("problems", "trajectories", "steps", "turns", "nodes"),
               inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

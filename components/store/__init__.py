@@ -42,9 +42,10 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
 # The store's layout version, in `coevo_meta`. 1 was the single DuckDB file (coevo.duckdb, read as it is and
 # migrated by the first writer); 2 is the DuckLake; 3 adds agent episodes (`turns`, `v_episodes`,
 # `v_tool_stats`), which the first writer of a version-2 store adds; 4 adds `turns.token_ids`; 5 adds recipe
-# grpo's `advantages`, `rollout_logprobs`, `trajectories.token_ids` and `v_rl_round`. An older store's
+# grpo's `advantages`, `rollout_logprobs`, `trajectories.token_ids` and `v_rl_round`; 6 adds MCTS's `nodes`
+# and `v_search`. An older store's
 # first writer adds the tables and columns it lacks. A higher version was made by a newer coevo.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 
@@ -249,6 +250,21 @@ SELECT t.experiment_id, t.round, t.purpose, u.tool_name, count(*) AS calls,
        quantile_cont(u.latency_s, 0.5) AS p50_latency_s, quantile_cont(u.latency_s, 0.99) AS p99_latency_s
 FROM turns u JOIN trajectories t USING (trajectory_id)
 WHERE u.role = 'tool'
+GROUP BY ALL;
+
+CREATE OR REPLACE VIEW v_search AS
+-- One row per search tree (generate.mcts): how far it went, what it cost, what it found and returned.
+SELECT experiment_id, round, purpose, tree_id, problem_id,
+       count(*) - 1 AS steps_drawn,
+       max(depth) AS max_depth,
+       max(visits) FILTER (WHERE node_id = 0) AS root_visits,
+       max(q) FILTER (WHERE node_id = 0) AS root_q,
+       count(*) FILTER (WHERE terminal) AS terminal_nodes,
+       count(*) FILTER (WHERE terminal AND reward >= 1) AS right_leaves,
+       count(*) FILTER (WHERE node_id > 0 AND visits <= 1 AND NOT terminal) AS abandoned,
+       sum(tokens) AS tokens,
+       count(trajectory_id) AS returned
+FROM nodes
 GROUP BY ALL;
 """
 

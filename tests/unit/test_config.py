@@ -118,6 +118,16 @@ def test_incompatible_settings_say_what_to_change():
     ({"recipe": "coevo", "train_reward": {"enabled": True}, "filter": {"step_dpo_pairs": True},
       "score": {"mc_rollouts": 4, "mc_strategy": "first_error"}}, "set train_policy.method=sft\\+dpo"),
     ({"generate": {"search": {"redraw_temperature": -1}}}, "generate.search.redraw_temperature"),
+    # MCTS (issue 30): each refusal names the setting.
+    ({"generate": {"mcts": {"expansions": 0}}}, "generate.mcts.expansions: Input should be greater than or equal to 1"),
+    ({"generate": {"mcts": {"simulations": 0}}}, "generate.mcts.simulations: Input should be greater than or equal"),
+    ({"generate": {"mcts": {"token_budget": 100}}}, r"generate.mcts.token_budget \(100\) is less than one expansion "
+                                                    r"\(expansions x max_step_tokens = 4 x 32 = 128\)"),
+    ({"generate": {"mcts": {"rollouts": 0}}}, "generate.mcts has no value source: value=rollouts and rollouts=0"),
+    ({"generate": {"mcts": {"value": "prm", "rollouts": 0}}}, "no value source: round 1 has no PRM yet"),
+    ({"generate": {"mcts": {"value": "prm"}}}, "generate.mcts.value=prm values prefixes with the previous round's PRM"),
+    ({"generate": {"mcts": {}, "until_correct": 1}}, "generate.mcts is a sampler of its own: set "
+                                                    "generate.until_correct=null"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):

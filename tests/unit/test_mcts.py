@@ -186,3 +186,65 @@ def test_mcts_with_the_hf_backend_is_reproducible(tmp_path):
     assert a == b and sa == sb and [node_rows(t) for t in a_trees] == [node_rows(t) for t in b_trees]
     assert all(len(t.nodes) > 1 for t in a_trees)
     assert sa["generated_tokens"] >= sum(s.num_tokens for s in a) > 0
+
+
+# -- as generate's sampler: components/generation.generate_mcts ---------------------------------------
+
+def _generate_mcts(**kw):
+    from components.config import MCTSSection
+    from components.domains.arith import ArithDomain
+    from components.domains.base import Problem
+    from components.generation import generate_mcts
+
+    problem = Problem.make("arith", 2, "3+4-2\n", "5")
+    search = MCTSSection(simulations=6, expansions=3, max_step_tokens=16, rollouts=2)
+    return generate_mcts(ArithDomain(), Scripted(), [problem], search, experiment="e", round=1, purpose="train",
+                         policy_model_id="e/policy/r0", n=4, temperature=0.8, top_p=1.0, max_new_tokens=32, seed=0,
+                         **kw)
+
+
+def test_generate_mcts_returns_the_best_leaves_as_trajectories_and_every_node_as_a_row():
+    from components.tables import to_table
+
+    batch, nodes, stats = _generate_mcts()
+    to_table("nodes", nodes)  # the store's schema: a missing or extra column fails here
+    by_id = {n["node_id"]: n for n in nodes}
+    # The only end the search reached is returned; the wrong first step, valued 0, was tried once and abandoned.
+    assert [t["completion"] for t in batch.trajectories] == ["3+4=7\n7-2=5\n#### 5\n"]
+    wrong = next(n for n in nodes if n["step_text"] == "3+4=8\n")
+    assert (wrong["visits"], wrong["q"], [n for n in nodes if n["parent_id"] == wrong["node_id"]]) == (1, 0.0, [])
+    leaves = {n["trajectory_id"]: n for n in nodes if n["trajectory_id"]}
+    assert set(leaves) == {t["trajectory_id"] for t in batch.trajectories}
+    for t in batch.trajectories:
+        leaf, path = leaves[t["trajectory_id"]], []
+        at = leaf["node_id"]
+        while at is not None:
+            path.append(by_id[at]["step_text"])
+            at = by_id[at]["parent_id"]
+        assert "".join(reversed(path)) == t["completion"] and leaf["terminal"]
+    # One draw of each step is the trajectory's (Scripted pays len(text) + 1 per draw); the search's other tokens,
+    # siblings' duplicates and rollouts, are the rest of the round's budget.
+    assert batch.trajectories[0]["num_tokens"] == 6 + 6 + 7
+    assert batch.num_tokens + stats["discarded_tokens"] == stats["generated_tokens"]
+    assert [s["text"] for s in batch.steps if s["trajectory_id"] == batch.trajectories[0]["trajectory_id"]] == \
+        ["3+4=7", "7-2=5", "#### 5"]
+    again, nodes_again, _ = _generate_mcts()
+    assert nodes_again == nodes and again.trajectories == batch.trajectories
+
+
+def test_a_prm_values_each_prefix_by_its_last_step_and_costs_no_tokens():
+    from components.domains.arith import ArithDomain
+    from components.search.policy import prm_value
+
+    seen = []
+
+    def score_steps(prompts, steps):
+        seen.append(steps)
+        return [[0.9] * (len(s) - 1) + [0.2 if s[-1].endswith("8") else 1.3] for s in steps]
+
+    value = prm_value(ArithDomain(), score_steps)
+    assert value([("3+4-2\n", "3+4=7\n"), ("3+4-2\n", "3+4=8\n")]) == ([1.0, 0.2], 0)  # clipped to [0, 1]
+    assert seen == [[["3+4=7"], ["3+4=8"]]]
+    batch, nodes, stats = _generate_mcts(value=value)
+    assert batch.trajectories[0]["completion"] == "3+4=7\n7-2=5\n#### 5\n"
+    assert stats["generated_tokens"] == sum(n["tokens"] for n in nodes)  # no rollouts: the nodes are the budget

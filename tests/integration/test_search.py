@@ -1,0 +1,91 @@
+"""MCTS as generate's sampler (`generate.mcts`), one micro round through the real flow: every tree in the store's
+`nodes` table, the trajectories the search returned pointing at their leaves, and the whole search counted in
+the round's token budget. What is asserted is read back with SQL, as a user would ask it.
+
+    .venv/bin/python -m pytest tests/integration/test_search.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from components.config import load_config
+from components.store import Store
+from tests.conftest import REPO, run_coevo
+
+pytestmark = pytest.mark.slow
+
+MCTS = ["rounds=1", "generate.mcts={simulations: 6, expansions: 3, max_step_tokens: 16, rollouts: 2}",
+        "generate.problems_per_level=20", "generate.samples_per_problem=4", "train_policy.steps=40",
+        "evaluate.problems_per_level=20", "evaluate.maj_k=1"]
+
+# Each returned trajectory's completion, rebuilt from its leaf up to the root.
+PATHS = """
+WITH RECURSIVE up AS (
+    SELECT tree_id, trajectory_id, node_id, parent_id, step_text AS text FROM nodes WHERE trajectory_id IS NOT NULL
+    UNION ALL
+    SELECT up.tree_id, up.trajectory_id, n.node_id, n.parent_id, n.step_text || up.text
+    FROM up JOIN nodes n ON n.tree_id = up.tree_id AND n.node_id = up.parent_id
+)
+SELECT up.trajectory_id, up.text, t.completion FROM up JOIN trajectories t USING (trajectory_id)
+WHERE up.parent_id IS NULL
+"""
+
+
+@pytest.fixture(scope="module")
+def mcts_run(prefect_server, micro_workdir, tmp_path_factory):
+    from flows.evolution import self_evolution
+
+    w = tmp_path_factory.mktemp("mcts")
+    config = REPO / "configs" / "micro.yaml"
+    overrides = [f"workdir={w}", "experiment=micro-mcts", *MCTS, *micro_workdir.start_from_round0()]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg)
+
+
+def test_one_tree_per_problem_whose_returned_leaves_are_the_trajectories(mcts_run):
+    cfg, store = mcts_run
+    problems = store.query("SELECT count(DISTINCT problem_id), count(*) FROM trajectories WHERE experiment_id = ? "
+                           "AND round = 1 AND purpose = 'train'", [cfg.experiment])[1][0]
+    trees = store.query("SELECT count(*), sum(returned), count(*) FILTER (WHERE root_visits > 0) FROM v_search "
+                        "WHERE experiment_id = ? AND round = 1", [cfg.experiment])[1][0]
+    assert problems[0] == trees[0] == trees[2] > 0  # every tree was searched
+    assert problems[1] == trees[1] <= problems[0] * cfg.generate.samples_per_problem
+    rebuilt = store.query(PATHS)[1]
+    assert len(rebuilt) == problems[1] and all(text == completion for _, text, completion in rebuilt)
+
+
+def test_the_tree_is_consistent_and_its_terminal_rewards_are_the_verifiers(mcts_run):
+    _, store = mcts_run
+    bad = store.query("""
+        SELECT p.tree_id, p.node_id FROM nodes p JOIN nodes c ON c.tree_id = p.tree_id AND c.parent_id = p.node_id
+        GROUP BY p.tree_id, p.node_id, p.visits, p.depth
+        HAVING sum(c.visits) > p.visits OR min(c.depth) <> p.depth + 1 OR max(c.depth) <> p.depth + 1""")[1]
+    assert bad == []  # a parent is visited once per child's visit (and once more when it was the new leaf)
+    assert store.query("SELECT count(*) FROM nodes WHERE q < 0 OR q > 1 OR prior <= 0 OR prior > 1")[1] == [(0,)]
+    assert store.query("SELECT count(*) FROM nodes WHERE (node_id = 0) <> (parent_id IS NULL)")[1] == [(0,)]
+    judged = store.query("SELECT count(*), count(*) FILTER (WHERE n.reward = v.reward) FROM nodes n "
+                         "JOIN verifications v USING (trajectory_id) WHERE n.terminal")[1][0]
+    assert judged[0] > 0 and judged[0] == judged[1]
+
+
+def test_the_whole_search_is_the_rounds_token_budget(mcts_run):
+    cfg, store = mcts_run
+    metrics = json.loads(store.query("SELECT metrics_json FROM stage_runs WHERE experiment_id = ? AND round = 1 "
+                                     "AND stage = 'generate' AND status = 'committed'", [cfg.experiment])[1][0][0])
+    budget = store.query("SELECT budget_tokens FROM v_round_summary WHERE experiment_id = ? AND round = 1",
+                         [cfg.experiment])[1][0][0]
+    step_tokens = store.query("SELECT sum(tokens) FROM nodes WHERE experiment_id = ?", [cfg.experiment])[1][0][0]
+    assert budget == metrics["search_generated_tokens"] > step_tokens > 0  # steps, their duplicates and rollouts
+
+
+def test_a_user_asks_the_tree_where_the_value_dropped(mcts_run):
+    cfg, _ = mcts_run
+    sql = ("SELECT c.depth, count(*) AS steps, round(avg(p.q - c.q), 3) AS drop FROM nodes c JOIN nodes p "
+           "ON p.tree_id = c.tree_id AND p.node_id = c.parent_id WHERE c.visits > 0 GROUP BY 1 ORDER BY 1")
+    p = run_coevo("query", sql, "--workdir", cfg.workdir, "--format", "json", check=True)
+    rows = json.loads(p.stdout)
+    assert [r["depth"] for r in rows][:2] == [1, 2] and all(r["steps"] > 0 for r in rows)
