@@ -432,6 +432,29 @@ class TrainRewardConfig(_TrainingProcesses):
         return self
 
 
+class EvalSearchConfig(_Section):
+    """Accuracy against compute on one held-out level (components/search/curves.py): greedy, maj@N and PRM
+    best-of-N from the evaluation's samples, PRM beam search and MCTS guided by the round's PRM."""
+
+    budgets: list[int] = Field(default_factory=lambda: [2, 4, 8],
+                               description="N per point: samples for maj@N and best-of-N, beams for beam search; "
+                                           "MCTS gets the tokens N samples spent.")
+    methods: list[Literal["beam", "mcts"]] = Field(default_factory=lambda: ["beam", "mcts"])
+    level: int | None = Field(None, description="The level the curve is drawn on; null: the hardest evaluated.")
+    problems: int | None = Field(None, ge=1, description="Its first this many held-out problems; null: all of them.")
+    expansions: int = Field(4, ge=1, description="Candidate steps per beam or per expanded MCTS leaf.")
+    max_step_tokens: int = Field(32, ge=1)
+    max_depth: int = Field(16, ge=1, description="Steps per solution at most.")
+    c_puct: float = Field(1.5, ge=0.0)
+
+    @field_validator("budgets")
+    @classmethod
+    def _budgets(cls, v: list[int]) -> list[int]:
+        if not v or any(b < 1 for b in v) or len(set(v)) != len(v):
+            raise ValueError(f"evaluate.search.budgets must be distinct integers >= 1, got {v}")
+        return sorted(v)
+
+
 class EvaluateConfig(_Section):
     levels: list[int] | None = Field(None, description="Levels to evaluate; null means all domain levels.")
     problems_per_level: int = Field(100, ge=1, description="Held-out problems per level (from the fixed test set).")
@@ -441,6 +464,10 @@ class EvaluateConfig(_Section):
     best_of_n: list[int] = Field(
         default_factory=list, description="N for reward-model best-of-N and maj@N (e.g. [4, 8, 16]); needs the "
                                           "round's reward model. Samples per problem = max(maj_k, max N).")
+    search: EvalSearchConfig | None = Field(
+        None, description="Null: no compute curve. Otherwise each round with a PRM draws accuracy against generated "
+                          "tokens for greedy, maj@N, PRM best-of-N, beam search and MCTS (samples per problem >= "
+                          "the largest budget).")
 
 
 class CurriculumConfig(_Section):
@@ -646,6 +673,10 @@ class ExperimentConfig(_Section):
         if self.generate.mcts is not None and self.generate.mcts.value == "prm" and not self.train_reward.enabled:
             raise ValueError("generate.mcts.value=prm values prefixes with the previous round's PRM: set "
                              "train_reward.enabled=true (recipe coevo), or generate.mcts.value=rollouts")
+        if self.evaluate.search is not None and not self.train_reward.enabled:
+            raise ValueError("evaluate.search guides beam search and MCTS with the round's PRM, which held-out "
+                             "problems need (the verifier would read their answers): set train_reward.enabled=true "
+                             "(recipe coevo), or evaluate.search=null")
         if self.evaluate.best_of_n and not self.train_reward.enabled and self.score.reward_model != "implicit":
             raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
                              "train_reward.enabled=true (recipe coevo), score.reward_model=implicit, or best_of_n=[]")
@@ -671,7 +702,8 @@ class ExperimentConfig(_Section):
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
                        "train_policy.method": self.train_policy.method not in ("sft", "grpo"),
-                       "evaluate.best_of_n": bool(self.evaluate.best_of_n)}
+                       "evaluate.best_of_n": bool(self.evaluate.best_of_n),
+                       "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (Monte Carlo turn labels, "

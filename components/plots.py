@@ -1,4 +1,5 @@
-"""Plots a person would rather look at than read: accuracy per level across rounds."""
+"""Plots a person would rather look at than read: accuracy per level across rounds, the rounds' budgets, and
+accuracy against compute."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -58,7 +60,7 @@ def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path
     sampled = [v / 1000 for v in col("generated_tokens")]
     axes[1].bar(rounds, sampled, color="tab:blue", label="sampling")
     bottom = sampled
-    for key, color, label in (("search_tokens", "tab:purple", "discarded step draws (PRM-guided search)"),
+    for key, color, label in (("search_tokens", "tab:purple", "search beyond the kept samples (step search, MCTS)"),
                               ("mc_tokens", "tab:orange", "Monte Carlo rollouts")):
         if any(r.get(key) for r in rows):
             part = [(r.get(key) or 0) / 1000 for r in rows]
@@ -74,6 +76,43 @@ def round_summary(summary: list[dict[str, Any]], path: Path, title: str) -> Path
         a.set_xticks(rounds)
         a.grid(alpha=0.3)
     fig.suptitle(title)
+    return _save(fig, path)
+
+
+METHOD_STYLE = {"greedy": ("black", "o", "greedy"), "maj": ("tab:blue", "s", "maj@N"),
+                "prm_bon": ("tab:orange", "^", "PRM best-of-N"), "beam": ("tab:green", "D", "PRM beam search"),
+                "mcts": ("tab:red", "v", "MCTS (PRM-valued)")}
+
+
+def compute_curve(curves: dict[int, list[dict[str, Any]]], path: Path, title: str) -> Path:
+    """Held-out accuracy against generated tokens per problem, one line per method: the newest round solid,
+    the first round with a curve dashed. `curves[round]` are `components.search.curves.curve_points` rows."""
+    rounds = sorted(curves)
+    shown = [rounds[-1]] if len(rounds) == 1 else [rounds[0], rounds[-1]]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    for r in shown:
+        last = r == rounds[-1]
+        by_method: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for p in curves[r]:
+            by_method[p["method"]].append(p)
+        for method, pts in by_method.items():
+            color, marker, label = METHOD_STYLE.get(method, ("gray", "x", method))
+            pts.sort(key=lambda p: p["tokens"])
+            ax.plot([p["tokens"] for p in pts], [100 * p["accuracy"] for p in pts], marker=marker, color=color,
+                    linestyle="-" if last else "--", alpha=1.0 if last else 0.45,
+                    label=f"{label}, round {r}")
+    level = curves[rounds[-1]][0]["level"]
+    ys = [100 * p["accuracy"] for r in shown for p in curves[r]]
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("generated tokens per problem (log scale)")
+    ax.set_ylabel(f"held-out accuracy, level {level} (%)")
+    ax.set_ylim(max(min(ys) - 5, -2), min(max(ys) + 5, 102))
+    ax.grid(alpha=0.3, which="both")
+    ax.set_title(title)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     return _save(fig, path)
 
 

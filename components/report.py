@@ -103,6 +103,19 @@ def plot_accuracy(data: dict[str, Any]) -> bytes:
         return p.read_bytes()
 
 
+def plot_compute_curve(data: dict[str, Any]) -> bytes | None:
+    """Accuracy against compute (evaluate.search), or None where no round drew one."""
+    from components.plots import compute_curve
+    from components.search.curves import curve_points
+
+    curves = curve_points(data["evaluations"])
+    if not curves:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        return compute_curve(curves, Path(d) / "curve.png",
+                             title=f"{data['experiment']['experiment_id']}: accuracy against compute").read_bytes()
+
+
 def plot_data(data: dict[str, Any]) -> bytes:
     """Generated and selected trajectories per round (bars) and the train pass rate (line)."""
     import matplotlib
@@ -220,6 +233,9 @@ def render(data: dict[str, Any], samples: int = 3) -> str:
         plots.append(_img(plot_data(data), "data per round"))
     if data["timings"]:
         plots.append(_img(plot_timings(data), "stage timings"))
+    curve = plot_compute_curve(data)
+    if curve:
+        plots.append(_img(curve, "accuracy against compute"))
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>coevo report: {html.escape(name)}</title>

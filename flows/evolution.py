@@ -30,8 +30,9 @@ from components import storage
 from components.config import ConfigError, ExperimentConfig, load_config
 from components.curriculum import pick_levels
 from components.locking import ExperimentLock
-from components.plots import accuracy_per_round, round_summary
+from components.plots import accuracy_per_round, compute_curve, round_summary
 from components.recipes import RECIPES, get_recipe
+from components.search.curves import curve_points
 from components.stages import PlanningError
 from components.store import Store, StoreError
 from components.tracking import Tracker, code_version
@@ -160,9 +161,14 @@ def _publish_round(cfg: ExperimentConfig, store: Store, tracker: Tracker, round:
     all_rounds = store.round_summary(cfg.experiment)
     summary_plot = round_summary(all_rounds, cfg.experiment_dir / "plots" / "round_summary.png",
                                  title=f"{cfg.experiment}: rounds")
+    curves = curve_points(evals)
+    curve_plot = compute_curve(curves, cfg.experiment_dir / "plots" / "compute_curve.png",
+                               title=f"{cfg.experiment}: accuracy against compute") if round in curves else None
     for on in (None, round):  # the experiment's run holds the newest; each round's run, the plots as of it
         tracker.log_artifact(plot, round=on, artifact_path="plots")
         tracker.log_artifact(summary_plot, round=on, artifact_path="plots")
+        if curve_plot:
+            tracker.log_artifact(curve_plot, round=on, artifact_path="plots")
     # The plots as they stood after this round, on the round's run page (served by the MLflow server).
     image = tracker.artifact_url(tracker.round_run(round), "plots/accuracy_per_round.png")
     if image:

@@ -10,7 +10,7 @@ from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.envs.rollout import is_agent
 from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
-                                    merged_counts, reward_scores, steps_by_trajectory, write)
+                                    merged_counts, reward_model_of, reward_scores, steps_by_trajectory, write)
 
 ROLES = ("prm", "orm", "implicit")
 
@@ -64,7 +64,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         problems = [p for p in problems if p.problem_id in mine]
     roles = [role for role in ROLES if getattr(inp, f"{role}_uri")]
     best_of_n = e.best_of_n if roles else []
-    n_samples = max([e.maj_k, *best_of_n])
+    curve = e.search is not None and inp.prm_uri is not None and spec.shards == 1
+    n_samples = max([e.maj_k, *best_of_n, *(e.search.budgets if curve else [])])
     log("evaluate", f"{len(problems)} held-out problems at levels {e.levels or domain.levels()}: greedy + "
                     f"{n_samples} samples" + (f", reward-model best-of-{best_of_n}" if best_of_n else "")
                     + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
@@ -95,9 +96,49 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
               verifications=vers, **tables)
         return metrics
     rows = evaluation_rows(spec, problems, batch.trajectories, batch.steps, vers, tables)
+    if curve:
+        rows += _compute_curve(spec, domain, backend, problems, batch.trajectories, vers, tables["scores"])
+    elif e.search is not None:
+        log("evaluate", "no compute curve: " + ("round 0 has no PRM to guide the searches" if not inp.prm_uri
+                                                 else "a sharded evaluation draws none (each shard holds a part)"))
     write(out, problems=batch.problems, trajectories=batch.trajectories, steps=batch.steps,
           verifications=vers, evaluations=rows, **tables)
     return metrics | row_metrics(rows)
+
+
+def _compute_curve(spec: StageSpec, domain, backend, problems: list, trajectories: list[dict[str, Any]],
+                   vers: list[dict[str, Any]], scores: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`evaluate.search`'s curve on one level, as `evaluations` rows (components/search/curves.py)."""
+    from components.search.curves import compute_curve, curve_rows
+
+    e, inp = spec.cfg().evaluate, spec.inputs_as(Inputs)
+    s = e.search
+    levels = sorted({p.level for p in problems})
+    level = s.level if s.level is not None else max(levels)
+    if level not in levels:
+        raise ValueError(f"evaluate.search.level={level} is not among the evaluated levels {levels}")
+    on = [p for p in problems if p.level == level][: s.problems]
+    ids = {p.problem_id for p in on}
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for t in trajectories:
+        if t["problem_id"] in ids:
+            samples.setdefault(t["problem_id"], []).append(t)
+    steps: dict[str, list[float]] = {}
+    for r in sorted(scores, key=lambda r: (r["trajectory_id"], r["step_index"])):
+        if r["model_id"] == inp.prm_model_id and r["aggregate"] == "step":
+            steps.setdefault(r["trajectory_id"], []).append(r["value"])
+    prm_min = {t["trajectory_id"]: min(steps.get(t["trajectory_id"]) or [0.0]) for t in trajectories}
+    prm = reward_model_of(spec, "prm", inp.prm_uri)
+    if hasattr(backend, "progress"):
+        backend.progress = False  # the searches report their points, which say more
+    log("evaluate", f"compute curve on level {level} ({len(on)} problems): budgets {s.budgets}, greedy, maj, "
+                    f"prm_bon, {', '.join(s.methods)}")
+    points = compute_curve(domain, backend, on, samples, {v["trajectory_id"]: bool(v["correct"]) for v in vers},
+                           prm_min, prm.score_steps, budgets=s.budgets, methods=s.methods, expansions=s.expansions,
+                           max_step_tokens=s.max_step_tokens, max_depth=s.max_depth, c_puct=s.c_puct,
+                           temperature=e.temperature, max_new_tokens=e.max_new_tokens, seed=spec.seed, progress=lambda msg: log("evaluate", msg))
+    return curve_rows(points, experiment=spec.experiment, round=spec.round, model_id=inp.policy_model_id,
+                      level=level)
 
 
 def _episodes(spec: StageSpec, env, backend, inp: Inputs, problems: list, n_samples: int):

@@ -280,6 +280,39 @@ def test_evaluation_reports_best_of_n_and_step_quality(coevo_run):
     assert f1 == pytest.approx(ev["prm_step_f1"])
 
 
+def test_each_round_with_a_prm_draws_accuracy_against_compute(coevo_run):
+    from mlflow.tracking import MlflowClient
+
+    from components.search.curves import curve_points
+    from components.tracking import TAG_ROUND, tracking_uri
+
+    cfg, store = coevo_run
+    s = cfg.evaluate.search
+    curves = curve_points(store.evaluations(cfg.experiment))
+    assert sorted(curves) == [1, 2]  # round 0 has no PRM to guide the searches
+    for points in curves.values():
+        got = {(p["method"], p["budget"]): p for p in points}
+        want = {("greedy", 1)} | {(m, b) for m in ("maj", "prm_bon", "beam", "mcts") for b in s.budgets}
+        assert set(got) == want
+        assert all(0.0 <= p["accuracy"] <= 1.0 and p["tokens"] > 0 and p["n"] == s.problems and p["level"] == 3
+                   for p in points)
+        maj = [got[("maj", b)]["tokens"] for b in s.budgets]
+        assert maj == sorted(maj) and got[("prm_bon", 8)]["tokens"] == got[("maj", 8)]["tokens"]
+        # MCTS gets N samples' tokens: it may stop early (its best leaf settled), never more than one simulation
+        # past them, plus a greedy completion of an answer cut short.
+        for b in s.budgets:
+            assert got[("mcts", b)]["tokens"] <= (got[("maj", b)]["tokens"] + s.expansions * s.max_step_tokens
+                                                  + cfg.evaluate.max_new_tokens)
+    client = MlflowClient(tracking_uri(cfg))
+    runs = client.search_runs([client.get_experiment_by_name(cfg.experiment).experiment_id])
+    plotted = {r.data.tags[TAG_ROUND]: {a.path for a in client.list_artifacts(r.info.run_id, "plots")} for r in runs}
+    assert "plots/compute_curve.png" not in plotted["0"]
+    assert all("plots/compute_curve.png" in plotted[k] for k in ("1", "2", "all"))
+    from components.report import gather, render
+
+    assert "alt='accuracy against compute'" in render(gather(store, cfg.experiment))
+
+
 def test_prm_versions_are_registered_with_round_and_lineage(coevo_run):
     from mlflow.tracking import MlflowClient
 

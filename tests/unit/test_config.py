@@ -128,6 +128,9 @@ def test_incompatible_settings_say_what_to_change():
     ({"generate": {"mcts": {"value": "prm"}}}, "generate.mcts.value=prm values prefixes with the previous round's PRM"),
     ({"generate": {"mcts": {}, "until_correct": 1}}, "generate.mcts is a sampler of its own: set "
                                                     "generate.until_correct=null"),
+    ({"evaluate": {"search": {}}}, "evaluate.search guides beam search and MCTS with the round's PRM"),
+    ({"evaluate": {"search": {"budgets": [4, 0]}}}, r"evaluate.search.budgets must be distinct integers >= 1"),
+    ({"evaluate": {"search": {"expansions": 0}}}, "evaluate.search.expansions: Input should be greater than or"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):

@@ -248,3 +248,60 @@ def test_a_prm_values_each_prefix_by_its_last_step_and_costs_no_tokens():
     batch, nodes, stats = _generate_mcts(value=value)
     assert batch.trajectories[0]["completion"] == "3+4=7\n7-2=5\n#### 5\n"
     assert stats["generated_tokens"] == sum(n["tokens"] for n in nodes)  # no rollouts: the nodes are the budget
+
+
+# -- PRM beam search and the compute curve: components/search/beam.py, curves.py ----------------------------
+
+def test_beam_search_keeps_the_best_scored_prefixes_and_finishes_width_solutions():
+    from components.search.beam import beam_search
+
+    # The value is the target-sum oracle's; the width-2 beam must keep a prefix that can still reach 9.
+    beams, spent = beam_search(["9"], expand, value, width=2, expansions=3, max_depth=5)
+    assert (beams[0][0].prefix, beams[0][0].score) == ("+3\n+3\n+3\n", 1.0)
+    assert all(b.terminal for b in beams[0]) and len(beams[0]) == 2 and beams[0][1].score == 0.0
+    # Only +3 can still reach 9 after one step; +1 (0.0, the earlier of the ties) is the second beam. The root's
+    # 3 candidates, then 2 beams x 3 per step: every candidate's 2 tokens paid.
+    assert spent == 2 * (3 + 2 * 3 + 2 * 3)
+    assert beam_search(["9"], expand, value, width=2, expansions=3, max_depth=5) == (beams, spent)
+    with pytest.raises(ValueError, match="beam.width must be >= 1"):
+        beam_search(["9"], expand, value, width=0, expansions=3, max_depth=5)
+
+
+def test_the_compute_curve_puts_every_method_at_its_tokens_and_never_shows_the_searches_the_answer():
+    from components.domains.arith import ArithDomain
+    from components.domains.base import Problem
+    from components.search.curves import compute_curve, curve_points, curve_rows
+
+    problem = Problem.make("arith", 2, "3+4-2\n", "5")
+    right, wrong = "3+4=7\n7-2=5\n#### 5\n", "3+4=8\n8-2=6\n#### 6\n"
+    texts = [right, wrong, right, right, right]  # greedy, then the samples: maj@2 is a tie, the earlier (6) wins
+    samples = {problem.problem_id: [{"trajectory_id": f"t{i}", "sample_index": i, "num_tokens": 10, "completion": x,
+                                     "answer": x.strip()[-1]} for i, x in enumerate(texts)]}
+    correct = {f"t{i}": x.endswith("5\n") for i, x in enumerate(texts)}
+    prm_min = {f"t{i}": 0.9 if correct[f"t{i}"] else 0.1 for i in range(5)}
+    def prm(likes: str):  # a PRM that likes the steps through `likes` (3+4=7 or 3+4=8)
+        def score_steps(prompts, steps):
+            return [[0.9 if likes in "".join(st) else 0.1 for _ in st] for st in steps]
+        return score_steps
+
+    def curve(likes: str):
+        points = compute_curve(ArithDomain(), Scripted(), [problem], samples, correct, prm_min, prm(likes),
+                               budgets=[2, 4], methods=["beam", "mcts"], expansions=3, max_step_tokens=16,
+                               max_depth=4, c_puct=1.5, temperature=0.8, max_new_tokens=32, seed=0)
+        return points, {(p["method"], p["budget"]): (p["tokens"], p["accuracy"]) for p in points}
+
+    points, got = curve("=7")
+    assert got[("greedy", 1)] == (10, 1.0) and got[("maj", 2)] == (20, 0.0) and got[("maj", 4)] == (40, 1.0)
+    assert got[("prm_bon", 2)] == (20, 1.0)
+    assert got[("beam", 2)][1] == got[("mcts", 4)][1] == 1.0  # the PRM steers both to 7, then 5
+    # 2 samples' 20 tokens buy MCTS two expansions (36 tokens): its best path has not ended, and is completed
+    # greedily ("#### 5\n", 7 tokens), which the point counts.
+    assert got[("mcts", 2)] == (36 + 7, 1.0)
+    assert 40 <= got[("mcts", 4)][0] < 40 + 3 * 16  # MCTS stops within one expansion past the 4 samples' tokens
+    # The searches follow the PRM, never the verifier: a PRM that likes the wrong first step gets the wrong answer.
+    _, misled = curve("=8")
+    assert misled[("beam", 2)][1] == misled[("mcts", 4)][1] == 0.0 and misled[("maj", 4)] == got[("maj", 4)]
+    rows = curve_rows(points, experiment="e", round=1, model_id="m", level=2)
+    assert {r["metric"] for r in rows} >= {"curve_mcts_at_4", "curve_mcts_at_4_tokens", "curve_prm_bon_at_2"}
+    back = curve_points(rows)[1]
+    assert {(p["method"], p["budget"]): (p["tokens"], p["accuracy"]) for p in back} == got

@@ -1,0 +1,124 @@
+"""Is MCTS-sampled training data worth its tokens? Arith at micro scale, `until_correct` sampling against
+`generate.mcts`, the arms side by side, and the compute curves of a coevo run.
+
+    .venv/bin/python benchmarks/search.py --workdir /tmp/search-bench --seeds 0 1 --rounds 4
+
+Per seed:
+- `until_correct`: configs/micro.yaml with rejection sampling in waves (`until_correct: 2`, `wave_size: 2`, up to
+  8 samples per problem), its bootstrap, then `--rounds` rounds;
+- `mcts`: the same config from that run's round-0 policy (`bootstrap.steps=0`), sampling by `generate.mcts`
+  (K = 4 draws per expansion, 2 rollouts per valued prefix, up to 4 leaves returned per tree) with a token budget
+  per problem equal to what `until_correct` spent per problem over its rounds, so both arms spend about the same.
+
+Each arm is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
+reports. From the store (`v_round_summary`), per arm and seed: the round's whole budget (`budget_tokens`: samples,
+and for MCTS its siblings, duplicates and rollouts) cumulated, and held-out greedy accuracy on level 3 (the
+hardest) by round. The issue's figure: the final level-3 accuracy of mcts minus until_correct, per seed, against
+the spread between seeds.
+
+With `--curves`, configs/micro-coevo.yaml runs `--rounds` rounds from seed 0's round-0 policy, and its compute
+curves (greedy, maj@N, PRM best-of-N, PRM beam search, MCTS on level 3) are printed for its first and last round:
+round 0 has no PRM to guide the searches. Everything goes to `--out` (JSON) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+HARDEST = 3
+UNTIL_CORRECT = ["generate.until_correct=2", "generate.wave_size=2"]
+MCTS = "generate.mcts={{simulations: 64, expansions: 4, max_step_tokens: 16, rollouts: 2, token_budget: {budget}}}"
+
+
+def _run(config: str, overrides: list[str], log: Path) -> None:
+    cmd = [str(REPO / ".venv" / "bin" / "coevo"), "run", "--config", str(REPO / config)]
+    for o in overrides:
+        cmd += ["--set", o]
+    with log.open("w") as f:
+        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+
+
+def _rows(store, experiment: str) -> list[dict]:
+    cols, rows = store.query("SELECT round, budget_tokens, greedy_acc_by_level FROM v_round_summary "
+                             "WHERE experiment_id = ? ORDER BY round", [experiment])
+    problems = dict(store.query("SELECT round, count(DISTINCT problem_id) FROM trajectories WHERE experiment_id = ? "
+                                "AND purpose = 'train' GROUP BY round", [experiment])[1])
+    out, total = [], 0
+    for r in (dict(zip(cols, row)) for row in rows):
+        total += r["budget_tokens"] or 0
+        out.append({"round": r["round"], "budget_tokens": r["budget_tokens"], "cumulative_tokens": total,
+                    "problems": problems.get(r["round"], 0), "hardest": r["greedy_acc_by_level"].get(HARDEST)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/search-bench"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--curves", action="store_true", help="also run micro-coevo and print its compute curves")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from components.search.curves import curve_points
+    from components.store import Store
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    store = lambda: Store(args.workdir / "store")  # noqa: E731 - a fresh reader after each run's commits
+    report: dict = {"arms": {}}
+    for seed in args.seeds:
+        base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}"]
+        exp = f"bench-uc-s{seed}"
+        print(f"[bench] seed {seed}: until_correct", flush=True)
+        _run("configs/micro.yaml", [*base, f"experiment={exp}", *UNTIL_CORRECT], args.workdir / f"{exp}.log")
+        uc = _rows(store(), exp)
+        spent = [r for r in uc if r["round"] > 0]
+        budget = round(sum(r["budget_tokens"] for r in spent) / max(sum(r["problems"] for r in spent), 1))
+        model = store().committed_model(exp, 0, "policy")
+        exp_m = f"bench-mcts-s{seed}"
+        print(f"[bench] seed {seed}: mcts at {budget} tokens per problem", flush=True)
+        _run("configs/micro.yaml", [*base, f"experiment={exp_m}", MCTS.format(budget=budget), "generate.samples_per_problem=4",
+                                    f"policy.model={model['uri']}", "bootstrap.steps=0"], args.workdir / f"{exp_m}.log")
+        report["arms"].setdefault("until_correct", {})[seed] = uc
+        report["arms"].setdefault("mcts", {})[seed] = _rows(store(), exp_m)
+        report.setdefault("mcts_token_budget", {})[seed] = budget
+    print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative budget tokens: samples, search and rollouts)")
+    for arm, seeds in report["arms"].items():
+        for seed, rows in seeds.items():
+            print(f"{arm:14s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['cumulative_tokens']})"
+                                                        for r in rows), flush=True)
+    final = {arm: {s: rows[-1]["hardest"] for s, rows in seeds.items()} for arm, seeds in report["arms"].items()}
+    diffs = [final["mcts"][s] - final["until_correct"][s] for s in args.seeds]
+    spread = {arm: max(v.values()) - min(v.values()) for arm, v in final.items()}
+    report["final"], report["difference"], report["seed_spread"] = final, diffs, spread
+    print(f"\nthe issue's figure: final level-{HARDEST} accuracy, mcts - until_correct, per seed: "
+          + ", ".join(f"{d:+.3f}" for d in diffs) + f" (goal +0.05 beyond the seed spread; spread: "
+          + ", ".join(f"{a} {v:.3f}" for a, v in spread.items()) + ")")
+    if args.curves:
+        exp_c = "bench-curves"
+        model = store().committed_model(f"bench-uc-s{args.seeds[0]}", 0, "policy")
+        print(f"[bench] curves: micro-coevo, {args.rounds} rounds", flush=True)
+        _run("configs/micro-coevo.yaml", [f"workdir={args.workdir}", f"experiment={exp_c}", f"rounds={args.rounds}",
+                                          f"policy.model={model['uri']}", "bootstrap.steps=0"],
+             args.workdir / f"{exp_c}.log")
+        curves = curve_points(store().evaluations(exp_c))
+        report["curves"] = curves
+        for rnd in (min(curves), max(curves)):
+            print(f"\ncompute curve, round {rnd}, level {curves[rnd][0]['level']} ({curves[rnd][0]['n']} problems): "
+                  "accuracy at tokens per problem")
+            for method in ("greedy", "maj", "prm_bon", "beam", "mcts"):
+                pts = sorted((p for p in curves[rnd] if p["method"] == method), key=lambda p: p["budget"])
+                print(f"  {method:8s} " + "  ".join(f"N={p['budget']}: {p['accuracy']:.3f} @ {p['tokens']:.0f}"
+                                                    for p in pts))
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
