@@ -7,7 +7,8 @@ Per seed:
 - `until_correct`: configs/micro.yaml with rejection sampling in waves (`until_correct: 2`, `wave_size: 2`, up to
   8 samples per problem), its bootstrap, then `--rounds` rounds;
 - `mcts`: the same config from that run's round-0 policy (`bootstrap.steps=0`), sampling by `generate.mcts`
-  (K = 4 draws per expansion, 2 rollouts per valued prefix, up to 4 leaves returned per tree) with a token budget
+  (K = 4 draws per expansion, 2 rollouts per valued prefix, up to 4 solutions returned per tree: its terminal
+  leaves, then its nodes completed by their rollouts) with a token budget
   per problem equal to what `until_correct` spent per problem over its rounds, so both arms spend about the same.
 
 Each arm is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
@@ -25,24 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.grpo_vs_rft import _run  # noqa: E402 - `coevo run` in its own process, its output to a log
+
 HARDEST = 3
 UNTIL_CORRECT = ["generate.until_correct=2", "generate.wave_size=2"]
 MCTS = "generate.mcts={{simulations: 64, expansions: 4, max_step_tokens: 16, rollouts: 2, token_budget: {budget}}}"
-
-
-def _run(config: str, overrides: list[str], log: Path) -> None:
-    cmd = [str(REPO / ".venv" / "bin" / "coevo"), "run", "--config", str(REPO / config)]
-    for o in overrides:
-        cmd += ["--set", o]
-    with log.open("w") as f:
-        subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
 
 
 def _rows(store, experiment: str) -> list[dict]:
@@ -83,8 +77,9 @@ def main() -> None:
         model = store().committed_model(exp, 0, "policy")
         exp_m = f"bench-mcts-s{seed}"
         print(f"[bench] seed {seed}: mcts at {budget} tokens per problem", flush=True)
-        _run("configs/micro.yaml", [*base, f"experiment={exp_m}", MCTS.format(budget=budget), "generate.samples_per_problem=4",
-                                    f"policy.model={model['uri']}", "bootstrap.steps=0"], args.workdir / f"{exp_m}.log")
+        arm = [*base, f"experiment={exp_m}", MCTS.format(budget=budget), "generate.samples_per_problem=4",
+               f"policy.model={model['uri']}", "bootstrap.steps=0"]
+        _run("configs/micro.yaml", arm, args.workdir / f"{exp_m}.log")
         report["arms"].setdefault("until_correct", {})[seed] = uc
         report["arms"].setdefault("mcts", {})[seed] = _rows(store(), exp_m)
         report.setdefault("mcts_token_budget", {})[seed] = budget

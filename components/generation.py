@@ -126,10 +126,12 @@ def generate_mcts(
     seed: int, value: Callable[[list[tuple[str, str]]], tuple[list[float], int]] | None = None,
     progress: Callable[[str], None] | None = None, split: str = "train",
 ) -> tuple[GeneratedBatch, list[dict[str, Any]], dict[str, float]]:
-    """One MCTS tree per problem (`search`: the config's `generate.mcts`), and up to `n` of each tree's best
-    terminal leaves as its trajectories (`Tree.returned`). Returns the batch, the trees as `nodes` rows (each
-    returned leaf naming its trajectory) and the search's statistics. A trajectory's `num_tokens` is its own
-    solution's; `discarded_tokens` is the rest of what the search generated (siblings, duplicates, rollouts)."""
+    """One MCTS tree per problem (`search`: the config's `generate.mcts`), and up to `n` trajectories from each:
+    its best terminal leaves (`Tree.returned`), then, where fewer ended, the rollouts the search paid for, each
+    completing its node's prefix (a node's best rollout, right ones first, then higher Q, then deeper). Returns
+    the batch, the trees as `nodes` rows (a node naming the trajectory it became) and the search's statistics. A
+    trajectory's `num_tokens` is its own solution's; `discarded_tokens` is the rest of what the search generated
+    (siblings, duplicates, the other rollouts)."""
     from components.search.mcts import MCTSConfig, node_rows
     from components.search.policy import mcts_sample
 
@@ -141,21 +143,39 @@ def generate_mcts(
         if progress:
             progress(f"simulation {sim}/{cfg.simulations}: {spent} tokens")
 
+    completions: dict[tuple[str, str], tuple[Sample, float]] = {}
     trees, _, stats = mcts_sample(domain, backend, problems, cfg, temperature=temperature, top_p=top_p,
                                   max_step_tokens=search.max_step_tokens, max_new_tokens=max_new_tokens, seed=seed,
-                                  rollouts=search.rollouts, value=value, progress=report)
+                                  rollouts=search.rollouts, value=value, progress=report, completions=completions)
     trajs, steps, nodes = [], [], []
+    from_rollouts = 0
     for p, tree in zip(problems, trees, strict=True):
         tree_id = search_tree_id(experiment, round, purpose, p.problem_id)
+        picked = [(x, tree.prefix(x.node_id), tree.path_tokens(x.node_id), "stop" if x.terminal else "length")
+                  for x in tree.returned(n) if x.terminal]
+        rolled = sorted(((x, completions[(tree.prompt, tree.prefix(x.node_id))]) for x in tree.nodes
+                         if not x.terminal and (tree.prompt, tree.prefix(x.node_id)) in completions),
+                        key=lambda xc: (-xc[1][1], -(xc[0].q or 0.0), -xc[0].depth, xc[0].node_id))
+        texts = {text for _, text, _, _ in picked}
+        for x, (done, _) in rolled:
+            if len(picked) >= n:
+                break
+            text = tree.prefix(x.node_id) + done.text
+            if text not in texts:
+                texts.add(text)
+                picked.append((x, text, tree.path_tokens(x.node_id) + done.num_tokens, done.finish_reason))
+                from_rollouts += 1
+        if not picked:  # nothing ended and nothing was rolled out (a PRM's values): the deepest node, unfinished
+            x = tree.best_leaf()
+            picked = [(x, tree.prefix(x.node_id), tree.path_tokens(x.node_id), "length")]
         became: dict[int, str] = {}
-        for idx, leaf in enumerate(tree.returned(n)):
+        for idx, (leaf, text, tokens, finish) in enumerate(picked):
             tid = became[leaf.node_id] = trajectory_id(experiment, round, purpose, p.problem_id, idx)
-            text = tree.prefix(leaf.node_id)
             trajs.append({
                 "trajectory_id": tid, "experiment_id": experiment, "round": round, "purpose": purpose,
                 "problem_id": p.problem_id, "level": p.level, "policy_model_id": policy_model_id,
                 "sample_index": idx, "prompt": p.prompt, "completion": text, "answer": domain.extract_answer(text),
-                "num_tokens": tree.path_tokens(leaf.node_id), "finish_reason": "stop" if leaf.terminal else "length",
+                "num_tokens": tokens, "finish_reason": finish,
                 "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens, "seed": seed,
                 "token_ids": None,
             })
@@ -165,6 +185,6 @@ def generate_mcts(
                    "problem_id": p.problem_id} | row | {"trajectory_id": became.get(row["node_id"])}
                   for row in node_rows(tree)]
     batch = GeneratedBatch([problem_row(p, split) for p in problems], trajs, steps)
-    stats = {**stats, "discarded_tokens": stats["generated_tokens"] - batch.num_tokens,
+    stats = {**stats, "discarded_tokens": stats["generated_tokens"] - batch.num_tokens, "from_rollouts": from_rollouts,
              "right_leaves": sum(int(x.terminal and x.reward == 1.0) for t in trees for x in t.nodes)}
     return batch, nodes, stats

@@ -314,7 +314,8 @@ TABLES: dict[str, Table] = {t.name: t for t in [
     _table(
         # A search tree (generate.mcts), one row per node: the root is the problem (node 0, no step), every other
         # node one step the policy drew. Q is the mean backed-up value (verifier's reward at terminal nodes, the
-        # value source's elsewhere); a leaf the search returned names the trajectory it became.
+        # value source's elsewhere). A node the search returned names the trajectory it became: a terminal leaf,
+        # or, where fewer leaves ended than generate asked for, a node completed by the rollout that valued it.
         "nodes", ("tree_id", "node_id"),
         col("tree_id", STR, null=False),  # one per problem and stage: hash of experiment, round, purpose, problem
         col("node_id", INT, null=False),  # 0 is the root; ids grow in creation order
@@ -332,7 +333,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("terminal", BOOL, null=False),  # ends the solution: the answer line, EOS, or the step cap
         col("reward", FLOAT),  # the verifier's, at a terminal node
         col("tokens", INT, null=False),  # generated for this step, its duplicate draws included
-        col("trajectory_id", STR),  # the trajectory this leaf became, where the search returned it
+        col("trajectory_id", STR),  # what it became: a returned terminal leaf, or a node its rollout completed
         _STAGE_RUN,
     ),
     _table(

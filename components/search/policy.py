@@ -64,16 +64,22 @@ def backend_expander(domain: Domain, backend: GenerationBackend, calls: _Calls, 
 
 def rollout_value(domain: Domain, backend: GenerationBackend, calls: _Calls, answers: dict[str, str], *,
                   rollouts: int, temperature: float, top_p: float, max_new_tokens: int,
+                  completions: dict[tuple[str, str], tuple[Sample, float]] | None = None,
                   ) -> Callable[[list[tuple[str, str]]], tuple[list[float], int]]:
-    """A prefix's value: the share of `rollouts` completions from it that the verifier accepts."""
+    """A prefix's value: the share of `rollouts` completions from it that the verifier accepts. Where
+    `completions` is given, each (prompt, prefix) keeps its best rollout there (the first right one, else the
+    first) with its reward: a whole solution the search has paid for."""
     def value(pairs: list[tuple[str, str]]) -> tuple[list[float], int]:
         outs = backend.generate([p + prefix for p, prefix in pairs], n=rollouts, temperature=temperature,
                                 top_p=top_p, max_new_tokens=max_new_tokens, seed=calls.next())
         values, tokens = [], 0
         for (p, prefix), done in zip(pairs, outs):
-            scores = domain.verify([prefix + d.text for d in done], [answers[p]] * len(done))
-            values.append(sum(s or 0.0 for s in scores) / len(done))
+            scores = [s or 0.0 for s in domain.verify([prefix + d.text for d in done], [answers[p]] * len(done))]
+            values.append(sum(scores) / len(done))
             tokens += sum(d.num_tokens for d in done)
+            if completions is not None:
+                best = max(range(len(done)), key=lambda i: (scores[i], -i))
+                completions[(p, prefix)] = (done[best], scores[best])
         return values, tokens
 
     return value
@@ -95,9 +101,11 @@ def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Probl
                 rollouts: int = 2,
                 value: Callable[[list[tuple[str, str]]], tuple[list[float], int]] | None = None,
                 progress: Callable[[int, int], None] | None = None,
+                completions: dict[tuple[str, str], tuple[Sample, float]] | None = None,
                 ) -> tuple[list[Tree], list[Sample], dict[str, Any]]:
     """One tree per problem; each problem's answer is its tree's best leaf (`Tree.best_leaf`), as a Sample whose
-    tokens are the whole search's for that tree. `value` (a PRM's, say) replaces the rollouts."""
+    tokens are the whole search's for that tree. `value` (a PRM's, say) replaces the rollouts; `completions`
+    collects the rollouts' best per prefix (`rollout_value`)."""
     answers = {p.prompt: p.answer for p in problems}
     if len(answers) != len(problems):
         raise ValueError("mcts_sample: two problems share a prompt; search each prompt once")
@@ -105,7 +113,7 @@ def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Probl
     expand = backend_expander(domain, backend, calls, temperature=temperature, top_p=top_p,
                               max_step_tokens=max_step_tokens)
     value = value or rollout_value(domain, backend, calls, answers, rollouts=rollouts, temperature=temperature,
-                                   top_p=top_p, max_new_tokens=max_new_tokens)
+                                   top_p=top_p, max_new_tokens=max_new_tokens, completions=completions)
 
     def reward(prompt: str, solution: str) -> float:
         return float(domain.verify([solution], [answers[prompt]])[0] or 0.0)

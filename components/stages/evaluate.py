@@ -136,7 +136,8 @@ def _compute_curve(spec: StageSpec, domain, backend, problems: list, trajectorie
     points = compute_curve(domain, backend, on, samples, {v["trajectory_id"]: bool(v["correct"]) for v in vers},
                            prm_min, prm.score_steps, budgets=s.budgets, methods=s.methods, expansions=s.expansions,
                            max_step_tokens=s.max_step_tokens, max_depth=s.max_depth, c_puct=s.c_puct,
-                           temperature=e.temperature, max_new_tokens=e.max_new_tokens, seed=spec.seed, progress=lambda msg: log("evaluate", msg))
+                           temperature=e.temperature, max_new_tokens=e.max_new_tokens, seed=spec.seed,
+                           progress=lambda msg: log("evaluate", msg))
     return curve_rows(points, experiment=spec.experiment, round=spec.round, model_id=inp.policy_model_id,
                       level=level)
 

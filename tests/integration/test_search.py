@@ -21,15 +21,17 @@ MCTS = ["rounds=1", "generate.mcts={simulations: 6, expansions: 3, max_step_toke
         "generate.problems_per_level=20", "generate.samples_per_problem=4", "train_policy.steps=40",
         "evaluate.problems_per_level=20", "evaluate.maj_k=1"]
 
-# Each returned trajectory's completion, rebuilt from its leaf up to the root.
+# Each returned trajectory's node path, rebuilt from its node up to the root: a terminal leaf's path is the whole
+# completion; a node the search completed by one of its rollouts starts it.
 PATHS = """
 WITH RECURSIVE up AS (
-    SELECT tree_id, trajectory_id, node_id, parent_id, step_text AS text FROM nodes WHERE trajectory_id IS NOT NULL
+    SELECT tree_id, trajectory_id, terminal, node_id, parent_id, step_text AS text FROM nodes
+    WHERE trajectory_id IS NOT NULL
     UNION ALL
-    SELECT up.tree_id, up.trajectory_id, n.node_id, n.parent_id, n.step_text || up.text
+    SELECT up.tree_id, up.trajectory_id, up.terminal, n.node_id, n.parent_id, n.step_text || up.text
     FROM up JOIN nodes n ON n.tree_id = up.tree_id AND n.node_id = up.parent_id
 )
-SELECT up.trajectory_id, up.text, t.completion FROM up JOIN trajectories t USING (trajectory_id)
+SELECT up.trajectory_id, up.terminal, up.text, t.completion FROM up JOIN trajectories t USING (trajectory_id)
 WHERE up.parent_id IS NULL
 """
 
@@ -55,7 +57,10 @@ def test_one_tree_per_problem_whose_returned_leaves_are_the_trajectories(mcts_ru
     assert problems[0] == trees[0] == trees[2] > 0  # every tree was searched
     assert problems[1] == trees[1] <= problems[0] * cfg.generate.samples_per_problem
     rebuilt = store.query(PATHS)[1]
-    assert len(rebuilt) == problems[1] and all(text == completion for _, text, completion in rebuilt)
+    assert len(rebuilt) == problems[1]
+    assert all(completion.startswith(text) and (text == completion) == terminal
+               for _, terminal, text, completion in rebuilt)
+    assert any(terminal for _, terminal, _, _ in rebuilt) and any(not terminal for _, terminal, _, _ in rebuilt)
 
 
 def test_the_tree_is_consistent_and_its_terminal_rewards_are_the_verifiers(mcts_run):
@@ -70,6 +75,9 @@ def test_the_tree_is_consistent_and_its_terminal_rewards_are_the_verifiers(mcts_
     judged = store.query("SELECT count(*), count(*) FILTER (WHERE n.reward = v.reward) FROM nodes n "
                          "JOIN verifications v USING (trajectory_id) WHERE n.terminal")[1][0]
     assert judged[0] > 0 and judged[0] == judged[1]
+    # Where fewer leaves ended than were asked for, the rollouts the search paid for complete their nodes.
+    assert store.query("SELECT count(*) FROM nodes WHERE trajectory_id IS NOT NULL AND NOT terminal "
+                       "AND value IS NULL")[1] == [(0,)]
 
 
 def test_the_whole_search_is_the_rounds_token_budget(mcts_run):

@@ -209,19 +209,23 @@ def test_generate_mcts_returns_the_best_leaves_as_trajectories_and_every_node_as
     batch, nodes, stats = _generate_mcts()
     to_table("nodes", nodes)  # the store's schema: a missing or extra column fails here
     by_id = {n["node_id"]: n for n in nodes}
-    # The only end the search reached is returned; the wrong first step, valued 0, was tried once and abandoned.
-    assert [t["completion"] for t in batch.trajectories] == ["3+4=7\n7-2=5\n#### 5\n"]
+    # The one end the search reached comes first. The wrong first step, valued 0, was tried once and abandoned;
+    # its rollout (paid for) completes it as the second trajectory. The right path's rollouts repeat its leaf.
+    assert [t["completion"] for t in batch.trajectories] == ["3+4=7\n7-2=5\n#### 5\n", "3+4=8\n#### 6\n"]
     wrong = next(n for n in nodes if n["step_text"] == "3+4=8\n")
     assert (wrong["visits"], wrong["q"], [n for n in nodes if n["parent_id"] == wrong["node_id"]]) == (1, 0.0, [])
+    assert stats["from_rollouts"] == 1 and batch.trajectories[1]["num_tokens"] == 6 + len("#### 6\n")
     leaves = {n["trajectory_id"]: n for n in nodes if n["trajectory_id"]}
     assert set(leaves) == {t["trajectory_id"] for t in batch.trajectories}
-    for t in batch.trajectories:
+    assert wrong["trajectory_id"] == batch.trajectories[1]["trajectory_id"]
+    for t in batch.trajectories:  # each trajectory starts with its node's path; a terminal leaf is all of it
         leaf, path = leaves[t["trajectory_id"]], []
         at = leaf["node_id"]
         while at is not None:
             path.append(by_id[at]["step_text"])
             at = by_id[at]["parent_id"]
-        assert "".join(reversed(path)) == t["completion"] and leaf["terminal"]
+        assert t["completion"].startswith("".join(reversed(path)))
+        assert leaf["terminal"] == (t["completion"] == "".join(reversed(path)))
     # One draw of each step is the trajectory's (Scripted pays len(text) + 1 per draw); the search's other tokens,
     # siblings' duplicates and rollouts, are the rest of the round's budget.
     assert batch.trajectories[0]["num_tokens"] == 6 + 6 + 7
