@@ -158,7 +158,8 @@ class GenerateConfig(_Section):
         None, description="Null: plain sampling. Otherwise each sample is built step by step, the previous "
                           "round's PRM judging each step (recipe coevo; round 1, with no PRM yet, samples plainly).")
     mcts: MCTSSection | None = Field(
-        None, description="Null: plain sampling. Otherwise one MCTS tree per problem (PUCT over steps, the verifier at "
+        None, exclude_if=lambda v: v is None,  # unset, older experiments' config hashes stay as they were
+        description="Null: plain sampling. Otherwise one MCTS tree per problem (PUCT over steps, the verifier at "
                           "terminal nodes), and up to samples_per_problem of its best distinct terminal leaves become "
                           "the problem's trajectories.")
     until_correct: int | None = Field(
@@ -465,7 +466,8 @@ class EvaluateConfig(_Section):
         default_factory=list, description="N for reward-model best-of-N and maj@N (e.g. [4, 8, 16]); needs the "
                                           "round's reward model. Samples per problem = max(maj_k, max N).")
     search: EvalSearchConfig | None = Field(
-        None, description="Null: no compute curve. Otherwise each round with a PRM draws accuracy against generated "
+        None, exclude_if=lambda v: v is None,  # unset, older experiments' config hashes stay as they were
+        description="Null: no compute curve. Otherwise each round with a PRM draws accuracy against generated "
                           "tokens for greedy, maj@N, PRM best-of-N, beam search and MCTS (samples per problem >= "
                           "the largest budget).")
 
@@ -677,6 +679,10 @@ class ExperimentConfig(_Section):
             raise ValueError("evaluate.search guides beam search and MCTS with the round's PRM, which held-out "
                              "problems need (the verifier would read their answers): set train_reward.enabled=true "
                              "(recipe coevo), or evaluate.search=null")
+        es = self.evaluate.search
+        if es is not None and es.level is not None and self.evaluate.levels and es.level not in self.evaluate.levels:
+            raise ValueError(f"evaluate.search.level={es.level} is not among evaluate.levels={self.evaluate.levels}: "
+                             "the curve is drawn on evaluated problems")
         if self.evaluate.best_of_n and not self.train_reward.enabled and self.score.reward_model != "implicit":
             raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
                              "train_reward.enabled=true (recipe coevo), score.reward_model=implicit, or best_of_n=[]")

@@ -20,7 +20,7 @@ from components.store import Store, StoreError, experiment_filter
 TABLES: dict[str, str] = {t: experiment_filter(t) for t in (
     "experiments", "stage_runs", "stage_jobs", "round_plans", "problems", "trajectories", "steps", "verifications", "step_labels",
     "step_pairs", "scores", "selections", "models", "evaluations", "trajectory_sources", "turns", "advantages",
-    "rollout_logprobs",
+    "rollout_logprobs", "nodes",
 )}
 FORMATS = ("parquet", "hf")
 

@@ -84,8 +84,9 @@ def test_store_equals_uninterrupted_run(fault_runs):
     diff = {t: (ref.hashes[t], killed.hashes[t]) for t in ref.hashes if ref.hashes[t] != killed.hashes[t]}
     assert not diff, f"tables differ after kill + resume: {diff}"
     # (step_labels and step_pairs: rft labels no steps; trajectory_sources: only `coevo import` writes it;
-    # turns: only agent episodes have them; advantages and rollout_logprobs: only recipe grpo writes them)
-    empty = ("step_labels", "step_pairs", "trajectory_sources", "turns", "advantages", "rollout_logprobs")
+    # turns: only agent episodes have them; advantages and rollout_logprobs: only recipe grpo writes them;
+    # nodes: only generate.mcts)
+    empty = ("step_labels", "step_pairs", "trajectory_sources", "turns", "advantages", "rollout_logprobs", "nodes")
     assert all(n > 0 for t, (n, _) in ref.hashes.items() if t not in empty), ref.hashes
 
 

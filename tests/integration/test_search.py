@@ -97,3 +97,13 @@ def test_a_user_asks_the_tree_where_the_value_dropped(mcts_run):
     p = run_coevo("query", sql, "--workdir", cfg.workdir, "--format", "json", check=True)
     rows = json.loads(p.stdout)
     assert [r["depth"] for r in rows][:2] == [1, 2] and all(r["steps"] > 0 for r in rows)
+
+
+def test_export_carries_the_trees(mcts_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    cfg, store = mcts_run
+    run_coevo("export", cfg.experiment, "--to", "parquet", "--workdir", cfg.workdir, "--out", str(tmp_path / "x"),
+              check=True)
+    n = store.query("SELECT count(*) FROM nodes WHERE experiment_id = ?", [cfg.experiment])[1][0][0]
+    assert n > 0 and pq.read_table(tmp_path / "x" / "nodes.parquet").num_rows == n

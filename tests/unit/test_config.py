@@ -131,6 +131,9 @@ def test_incompatible_settings_say_what_to_change():
     ({"evaluate": {"search": {}}}, "evaluate.search guides beam search and MCTS with the round's PRM"),
     ({"evaluate": {"search": {"budgets": [4, 0]}}}, r"evaluate.search.budgets must be distinct integers >= 1"),
     ({"evaluate": {"search": {"expansions": 0}}}, "evaluate.search.expansions: Input should be greater than or"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4},
+      "evaluate": {"levels": [1, 2], "search": {"level": 3}}}, r"evaluate.search.level=3 is not among "
+                                                               r"evaluate.levels=\[1, 2\]"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):
