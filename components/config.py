@@ -108,8 +108,9 @@ class SearchConfig(_Section):
 
 
 class MCTSSection(_Section):
-    """MCTS over steps as generate's sampler (components/search/): each problem's tree is searched, and its
-    best terminal leaves are the round's trajectories; every node goes to the store's `nodes` table."""
+    """MCTS over steps as generate's sampler (components/search/): each problem's tree is searched; its best
+    terminal leaves, then nodes completed by their rollouts, are the round's trajectories; every node goes to
+    the store's `nodes` table."""
 
     simulations: int = Field(16, ge=1, description="Selection rounds per tree.")
     expansions: int = Field(4, ge=1, description="K candidate steps drawn for each expanded leaf (the tree's width).")
@@ -160,8 +161,8 @@ class GenerateConfig(_Section):
     mcts: MCTSSection | None = Field(
         None, exclude_if=lambda v: v is None,  # unset, older experiments' config hashes stay as they were
         description="Null: plain sampling. Otherwise one MCTS tree per problem (PUCT over steps, the verifier at "
-                          "terminal nodes), and up to samples_per_problem of its best distinct terminal leaves become "
-                          "the problem's trajectories.")
+                    "terminal nodes), and up to samples_per_problem solutions from it become the problem's "
+                    "trajectories: its best terminal leaves, then nodes completed by the rollouts that valued them.")
     until_correct: int | None = Field(
         None, ge=1, description="Null: samples_per_problem for every problem. Otherwise rejection sampling in waves "
                                 "(DART-Math): each wave draws wave_size samples for the problems with fewer than "
@@ -468,8 +469,8 @@ class EvaluateConfig(_Section):
     search: EvalSearchConfig | None = Field(
         None, exclude_if=lambda v: v is None,  # unset, older experiments' config hashes stay as they were
         description="Null: no compute curve. Otherwise each round with a PRM draws accuracy against generated "
-                          "tokens for greedy, maj@N, PRM best-of-N, beam search and MCTS (samples per problem >= "
-                          "the largest budget).")
+                    "tokens for greedy, maj@N, PRM best-of-N, beam search and MCTS (samples per problem >= the "
+                    "largest budget).")
 
 
 class CurriculumConfig(_Section):

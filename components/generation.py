@@ -151,7 +151,7 @@ def generate_mcts(
     from_rollouts = 0
     for p, tree in zip(problems, trees, strict=True):
         tree_id = search_tree_id(experiment, round, purpose, p.problem_id)
-        picked = [(x, tree.prefix(x.node_id), tree.path_tokens(x.node_id), "stop" if x.terminal else "length")
+        picked = [(x, tree.prefix(x.node_id), tree.path_tokens(x.node_id), "stop")
                   for x in tree.returned(n) if x.terminal]
         rolled = sorted(((x, completions[(tree.prompt, tree.prefix(x.node_id))]) for x in tree.nodes
                          if not x.terminal and (tree.prompt, tree.prefix(x.node_id)) in completions),

@@ -54,7 +54,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         mine = spec.share(p.problem_id for p in problems)
         problems = [p for p in problems if p.problem_id in mine]
     per = (f"up to {g.samples_per_problem} samples each, {g.wave_size} per wave until {g.until_correct} right"
-           if g.until_correct else f"one MCTS tree each, up to {g.samples_per_problem} of its leaves returned"
+           if g.until_correct else f"one MCTS tree each, up to {g.samples_per_problem} solutions from it"
            if g.mcts else f"{g.samples_per_problem} samples each")
     log("generate", f"{len(problems)} problems at levels {inp.levels}, {per}"
                     + (f" (shard {spec.shard} of {spec.shards})" if spec.shards > 1 else ""))
@@ -120,7 +120,8 @@ def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs
 
 def _mcts(spec: StageSpec, out: StageOutputWriter, domain, backend, inp: Inputs, problems: list, t0: float,
           ) -> dict[str, float]:
-    """A tree per problem; its best terminal leaves are the trajectories, and every node goes to `nodes`."""
+    """A tree per problem; its best terminal leaves (then nodes its rollouts completed) are the trajectories, and
+    every node goes to `nodes`."""
     from components.generation import generate_mcts
     from components.search.policy import prm_value
 
