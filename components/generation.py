@@ -151,10 +151,9 @@ def generate_mcts(
     from_rollouts = 0
     for p, tree in zip(problems, trees, strict=True):
         tree_id = search_tree_id(experiment, round, purpose, p.problem_id)
-        picked = [(x, tree.prefix(x.node_id), tree.path_tokens(x.node_id), "stop")
-                  for x in tree.returned(n) if x.terminal]
-        rolled = sorted(((x, completions[(tree.prompt, tree.prefix(x.node_id))]) for x in tree.nodes
-                         if not x.terminal and (tree.prompt, tree.prefix(x.node_id)) in completions),
+        picked = [(x, tree.prefix(x.node_id), tree.path_tokens(x.node_id), "stop") for x in tree.returned(n)]
+        open_ = [(x, (tree.prompt, tree.prefix(x.node_id))) for x in tree.nodes if not x.terminal]
+        rolled = sorted(((x, completions[key]) for x, key in open_ if key in completions),
                         key=lambda xc: (-xc[1][1], -(xc[0].q or 0.0), -xc[0].depth, xc[0].node_id))
         texts = {text for _, text, _, _ in picked}
         for x, (done, _) in rolled:

@@ -74,7 +74,7 @@ def compute_curve(domain: Domain, backend: GenerationBackend, problems: list[Pro
         return done, sum(o[0].num_tokens for o in outs)
 
     def verified(solutions: list[str]) -> float:
-        scores = [domain.verify([s], [p.answer])[0] or 0.0 for s, p in zip(solutions, problems)]
+        scores = domain.verify(solutions, [p.answer for p in problems])  # one call for all, as `verify` takes
         return sum(float(s == 1.0) for s in scores) / n
 
     for k, b in enumerate(budgets):
@@ -92,8 +92,9 @@ def compute_curve(domain: Domain, backend: GenerationBackend, problems: list[Pro
             cfg = MCTSConfig(simulations=MCTS_SIMULATIONS, expansions=expansions, c_puct=c_puct, max_depth=max_depth,
                              token_budget=max(int(tokens_at[b] * n), 1))
             trees, spent = mcts_search(prompts, expand, value, lambda p, s: value([(p, s)])[0][0], cfg)
-            best, more = finished([t.prefix(t.best_leaf().node_id) for t in trees],
-                                  [t.best_leaf().terminal for t in trees], calls.next())
+            leaves = [t.best_leaf() for t in trees]
+            best, more = finished([t.prefix(x.node_id) for t, x in zip(trees, leaves)], [x.terminal for x in leaves],
+                                  calls.next())
             spent += more
             points.append({"method": "mcts", "budget": b, "tokens": spent / n, "accuracy": verified(best), "n": n})
             say(f"mcts at {tokens_at[b]:.0f} tokens per problem: {spent / n:.0f} spent, accuracy "

@@ -139,10 +139,10 @@ class Tree:
 
     def returned(self, n: int) -> list[Node]:
         """The leaves a search hands back as samples: up to `n` terminal nodes, best Q first (most visits, then
-        lowest id, on ties); where none ended, the `best_leaf` alone."""
+        lowest id, on ties); none where no solution ended."""
         done = sorted((x for x in self.nodes if x.terminal),
                       key=lambda x: (-(x.q if x.q is not None else -math.inf), -x.visits, x.node_id))
-        return done[:n] or [self.best_leaf()]
+        return done[:n]
 
     def path_tokens(self, node_id: int) -> int:
         """The tokens of the solution that ends at `node_id`: one draw of each step on its path."""
