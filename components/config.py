@@ -197,6 +197,16 @@ class VerifyConfig(_Section):
     verifier: str | None = Field(None, description="Dotted path to a verifier function; null uses the domain's.")
 
 
+class TreeLabelsSection(_Section):
+    """Step labels and step pairs from generate.mcts's trees (components/search/training.py): no rollouts beyond
+    the search's own."""
+
+    pair_margin: float = Field(
+        0.25, ge=0.0, le=1.0, description="filter.step_dpo_pairs: a wrong answer pairs with a right one of its tree "
+                                          "where their paths part at siblings whose Q differs by at least this.")
+    min_visits: int = Field(1, ge=1, description="Both siblings of a pair visited at least this many times.")
+
+
 class ScoreConfig(_Section):
     """Step labels (Monte Carlo rollouts, oracle) and reward-model scores for the round's trajectories."""
 
@@ -237,6 +247,12 @@ class ScoreConfig(_Section):
                            "the cost of rollouts; off, only their final step is labelled.")
     mc_temperature: float = Field(0.8, ge=0.0)
     mc_max_new_tokens: int | None = Field(None, ge=1, description="Null: generate.max_new_tokens.")
+    tree: TreeLabelsSection | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="Where generate.mcts sampled the round, label each returned solution's steps from its tree: "
+                    "tree_soft is the node's Q, tree_hard is 1 where a right solution passed through the node "
+                    "(train_reward.label_source tree_soft or tree_hard trains the PRM on them); and with "
+                    "filter.step_dpo_pairs, pair wrong answers with right ones that part at siblings (MCTS-DPO).")
     oracle_labels: bool = Field(
         True, description="Store the domain's exact step labels (source 'oracle') where it has them: for "
                           "evaluation only, never for training.")
@@ -257,10 +273,11 @@ class FilterConfig(_Section):
                                                "trajectory against the worst-scored incorrect one.")
     max_pairs_per_problem: int = Field(1, ge=1)
     step_dpo_pairs: bool = Field(
-        False, description="Also select the Monte Carlo search's step-level pairs (score.mc_strategy=first_error): at "
-                           "each searched wrong answer's first dead step, a continuation that succeeded from the live "
-                           "prefix against the failed one (Step-DPO, MCTS-DPO); train_policy.method dpo or sft+dpo "
-                           "trains on them.")
+        False, description="Also select step-level pairs: from the Monte Carlo search (score.mc_strategy=first_error), "
+                           "at each searched wrong answer's first dead step, a continuation that succeeded from the "
+                           "live prefix against the failed one (Step-DPO); from the MCTS tree (score.tree), a right "
+                           "answer against a wrong one that parts from it at siblings apart in Q (MCTS-DPO). "
+                           "train_policy.method dpo or sft+dpo trains on them.")
     max_groups: int | None = Field(
         None, ge=1, exclude_if=lambda v: v is None,
         description="recipe grpo: train on at most this many groups whose rewards differ (a seeded sample).")
@@ -391,9 +408,11 @@ class TrainRewardConfig(_TrainingProcesses):
     section: ClassVar[str] = "train_reward"
 
     enabled: bool = False
-    label_source: Literal["mc_hard", "mc_soft"] = Field(
-        "mc_hard", description="Math-Shepherd hard labels (any rollout right) or soft ones thresholded.")
-    soft_threshold: float = Field(0.5, gt=0.0, le=1.0, description="mc_soft >= this is a good step.")
+    label_source: Literal["mc_hard", "mc_soft", "tree_hard", "tree_soft"] = Field(
+        "mc_hard", description="Math-Shepherd hard labels (any rollout right) or soft ones thresholded; tree_hard "
+                               "or tree_soft: score.tree's labels from the MCTS tree (a right solution through the "
+                               "step; its node's Q thresholded).")
+    soft_threshold: float = Field(0.5, gt=0.0, le=1.0, description="mc_soft or tree_soft >= this is a good step.")
     window_rounds: int | None = Field(
         None, ge=1, description="Train on the labels of the last W rounds; null: all rounds so far.")
     demos: bool = Field(
@@ -646,8 +665,16 @@ class ExperimentConfig(_Section):
             )
         if self.score.reward_model == "orm" and not self.train_reward.orm:
             raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
-        if self.train_reward.enabled and self.score.mc_rollouts < 1:
-            raise ValueError("train_reward.enabled needs step labels to train on: set score.mc_rollouts >= 1")
+        tree_labels = self.train_reward.label_source.startswith("tree_")
+        if self.train_reward.enabled and not tree_labels and self.score.mc_rollouts < 1:
+            raise ValueError(f"train_reward.label_source={self.train_reward.label_source} needs Monte Carlo step "
+                             "labels to train on: set score.mc_rollouts >= 1 (or, with generate.mcts, score.tree "
+                             "and label_source tree_hard or tree_soft)")
+        if self.train_reward.enabled and tree_labels and self.score.tree is None:
+            raise ValueError(f"train_reward.label_source={self.train_reward.label_source} trains on the MCTS tree's "
+                             "labels: set score.tree (e.g. score.tree={pair_margin: 0.25}) with generate.mcts")
+        if self.score.tree is not None and self.generate.mcts is None:
+            raise ValueError("score.tree labels steps from generate.mcts's trees: set generate.mcts, or score.tree=null")
         if self.bootstrap.steps == 0 and self.policy.model is None:
             raise ValueError("bootstrap.steps=0 starts from a given model as it is: set policy.model to an HF name "
                              "or a local path, or bootstrap.steps > 0 to train a tiny model from scratch")
@@ -658,13 +685,15 @@ class ExperimentConfig(_Section):
         if self.train_policy.method not in ("sft", "grpo") and not (self.filter.dpo_pairs or self.filter.step_dpo_pairs):
             raise ValueError(f"train_policy.method={self.train_policy.method!r} trains on pairs: set "
                              "filter.dpo_pairs=true or filter.step_dpo_pairs=true")
-        if self.filter.step_dpo_pairs and (self.score.mc_strategy != "first_error" or self.score.mc_rollouts < 1):
-            raise ValueError("filter.step_dpo_pairs takes its pairs from the Monte Carlo search: set "
-                             "score.mc_strategy=first_error and score.mc_rollouts >= 1")
+        mc_pairs = self.score.mc_strategy == "first_error" and self.score.mc_rollouts >= 1
+        if self.filter.step_dpo_pairs and not (mc_pairs or self.score.tree is not None):
+            raise ValueError("filter.step_dpo_pairs takes its pairs from the Monte Carlo search or the MCTS tree: set "
+                             "score.mc_strategy=first_error and score.mc_rollouts >= 1, or score.tree with "
+                             "generate.mcts")
         if self.filter.step_dpo_pairs and self.train_policy.method == "sft":
             raise ValueError("filter.step_dpo_pairs selects pairs that only DPO trains on: set "
                              "train_policy.method=sft+dpo (or dpo)")
-        if self.score.mc_strategy == "first_error" and self.train_reward.label_source != "mc_hard":
+        if self.score.mc_strategy == "first_error" and self.train_reward.label_source == "mc_soft":
             raise ValueError("score.mc_strategy='first_error' gives hard labels only: set "
                              "train_reward.label_source=mc_hard, or score.mc_strategy=every_prefix")
         if self.score.mc_search_unsolved and self.score.mc_strategy != "first_error":

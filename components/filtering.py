@@ -146,18 +146,26 @@ def dpo_pairs(
 
 
 def step_pair_selections(step_pairs: list[dict[str, Any]], *, experiment: str, round: int) -> list[dict[str, Any]]:
-    """`selections` rows (purpose `step_dpo`) for the Monte Carlo search's step-level pairs: one per pair, on
-    its rejected trajectory, ranked by the dead step's index.
+    """`selections` rows (purpose `step_dpo`) for the step-level pairs (the Monte Carlo search's or an MCTS
+    tree's): one per pair, on its rejected trajectory, ranked by the index of the step where the sides part.
 
     >>> step_pair_selections([{"trajectory_id": "t", "step_index": 2, "chosen_from": "rollout"}], experiment="e",
     ...                      round=1)[0]["reason"]
     'first dead step 2; chosen: a rollout of the live prefix'
+    >>> step_pair_selections([{"trajectory_id": "t", "step_index": 1, "chosen_from": "u", "source": "tree",
+    ...                        "chosen_q": 0.75, "rejected_q": 0.0}], experiment="e", round=1)[0]["reason"]
+    'tree: parts at step 1, Q 0.75 against 0.00; chosen: u'
     """
+    def reason(p: dict[str, Any]) -> str:
+        if p.get("source") == "tree":
+            return (f"tree: parts at step {p['step_index']}, Q {p['chosen_q']:.2f} against {p['rejected_q']:.2f}; "
+                    f"chosen: {p['chosen_from']}")
+        return f"first dead step {p['step_index']}; chosen: " + (
+            "a rollout of the live prefix" if p["chosen_from"] == "rollout" else p["chosen_from"])
+
     return [{"trajectory_id": p["trajectory_id"], "experiment_id": experiment, "round": round, "purpose": "step_dpo",
              "selected": True, "rank": p["step_index"], "pair_id": f"{experiment}/r{round}/{p['trajectory_id']}/step",
-             "reason": f"first dead step {p['step_index']}; chosen: "
-                       + ("a rollout of the live prefix" if p["chosen_from"] == "rollout" else p["chosen_from"])}
-            for p in sorted(step_pairs, key=lambda p: p["trajectory_id"])]
+             "reason": reason(p)} for p in sorted(step_pairs, key=lambda p: p["trajectory_id"])]
 
 
 def _distinct_texts(group: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -194,7 +194,8 @@ def _step_pairs(domain: Domain, items: list[dict[str, Any]], finals: list[float 
         rejected = _text(it["steps"][f:], sep)
         if chosen and chosen != rejected:
             pairs.append({"trajectory_id": it["trajectory_id"], "step_index": f, "prefix": _text(it["steps"][:f], sep),
-                          "chosen": chosen, "rejected": rejected, "chosen_from": source})
+                          "chosen": chosen, "rejected": rejected, "chosen_from": source, "source": "mc",
+                          "chosen_q": None, "rejected_q": None})
     return pairs
 
 
@@ -243,10 +244,11 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
     >>> [(e["prompt"], e["labels"]) for e in ex], [(d["trajectory_id"], d["selected"], d["reason"]) for d in dec]
     ([('p', [True, False])], [('a', True, 'mc labels'), ('b', False, 'consensus: mc first error -1, prm 1')])
     """
-    if source not in ("mc_hard", "mc_soft", "given"):
-        raise ValueError(f"prm_examples: source must be mc_hard, mc_soft or given (imported), got {source!r}")
-    threshold = soft_threshold if source == "mc_soft" else 0.5
-    kind = "given" if source == "given" else "mc"
+    if source not in ("mc_hard", "mc_soft", "tree_hard", "tree_soft", "given"):
+        raise ValueError(f"prm_examples: source must be mc_hard, mc_soft, tree_hard, tree_soft or given (imported), "
+                         f"got {source!r}")
+    threshold = soft_threshold if source.endswith("_soft") else 0.5
+    kind = source.split("_")[0]
     examples, decisions, seen = [], [], set()
     for it in items:
         tid, per_step = it["trajectory_id"], labels.get(it["trajectory_id"], {})

@@ -169,7 +169,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         "step_labels", ("trajectory_id", "step_index", "source"),
         col("trajectory_id", STR, null=False),
         col("step_index", INT, null=False),
-        col("source", STR, null=False),  # mc_hard | mc_soft | oracle | judge | implicit
+        col("source", STR, null=False),  # mc_hard | mc_soft | tree_hard | tree_soft | oracle | judge | implicit
         col("value", FLOAT, null=False),
         col("num_rollouts", INT),
         _STAGE_RUN,
@@ -245,17 +245,21 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         _STAGE_RUN,
     ),
     _table(
-        # Step-level preference pairs from the Monte Carlo search (score, mc_strategy first_error): at a wrong
+        # Step-level preference pairs (score). From the Monte Carlo search (mc_strategy first_error): at a wrong
         # trajectory's first dead step, a continuation that reached the answer from the live prefix before it
-        # (chosen) against the trajectory's own (rejected). prefix + chosen and prefix + rejected are whole
-        # solutions; the filter selects the pairs (`selections`, purpose step_dpo), train_policy trains on them.
+        # (chosen) against the trajectory's own (rejected). From an MCTS tree (score.tree): a right trajectory
+        # whose path parts from the wrong one's at siblings apart in Q. prefix + chosen and prefix + rejected are
+        # whole solutions; the filter selects the pairs (`selections`, purpose step_dpo), train_policy trains on them.
         "step_pairs", ("trajectory_id",),
         col("trajectory_id", STR, null=False),  # the wrong trajectory: the rejected side
-        col("step_index", INT, null=False),  # its first dead step
+        col("step_index", INT, null=False),  # its first dead step; from a tree, the first step the sides differ in
         col("prefix", STR, null=False),  # the steps before it, as text: the live prefix both sides share
         col("chosen", STR, null=False),
         col("rejected", STR, null=False),
-        col("chosen_from", STR, null=False),  # 'rollout', or the right trajectory's id where step 0 is dead
+        col("chosen_from", STR, null=False),  # 'rollout', or the right trajectory's id
+        col("source", STR),  # mc | tree (NULL in stores before schema 7: mc)
+        col("chosen_q", FLOAT),  # tree: the Q of the siblings where the sides part
+        col("rejected_q", FLOAT),
         _STAGE_RUN,
     ),
     _table(

@@ -2,12 +2,11 @@
 
 - `step_search.prm_step_search`: draw a step, redraw it where the previous round's PRM rejects it (generate).
 - `mcts`: Monte Carlo tree search over steps (PUCT selection, K expansions, verifier or value at the leaves,
-  backup of Q and visits), batched across problems, with a token budget; the tree as rows for SQL and the
-  step preference pairs its siblings give.
+  backup of Q and visits), batched across problems, with a token budget; the tree as rows for SQL.
+- `training`: step labels and step preference pairs from the trees' rows (score.tree).
 """
 
-from components.search.mcts import Candidate, MCTSConfig, Node, Tree, mcts_search, node_rows, sibling_pairs
+from components.search.mcts import Candidate, MCTSConfig, Node, Tree, mcts_search, node_rows
 from components.search.step_search import prm_step_search
 
-__all__ = ["Candidate", "MCTSConfig", "Node", "Tree", "mcts_search", "node_rows", "prm_step_search",
-           "sibling_pairs"]
+__all__ = ["Candidate", "MCTSConfig", "Node", "Tree", "mcts_search", "node_rows", "prm_step_search"]

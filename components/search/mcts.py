@@ -1,8 +1,7 @@
 """Monte Carlo tree search over solution steps, batched across problems, on a token budget.
 
     trees, spent = mcts_search(prompts, expand, value, reward, MCTSConfig(simulations=16, expansions=4))
-    rows = node_rows(trees[0])                 # the tree, one row per node, for the store's `nodes` table
-    pairs = sibling_pairs(trees[0], margin=0.3)  # step preferences: same prefix, Q apart by the margin
+    rows = node_rows(trees[0])  # the tree, one row per node, for the store's `nodes` table
 
 A node is one step; the root is the problem. Each simulation, for every tree still open:
 
@@ -227,18 +226,3 @@ def node_rows(tree: Tree) -> list[dict[str, Any]]:
              "prior": n.prior, "visits": n.visits, "q": n.q, "value": n.value, "terminal": n.terminal,
              "reward": n.reward, "tokens": n.tokens} for n in tree.nodes]
 
-
-def sibling_pairs(tree: Tree, margin: float, min_visits: int = 1) -> list[dict[str, Any]]:
-    """Step preferences from the tree (MCTS-DPO, Step-DPO): for each node, each pair of its children with at
-    least `min_visits` visits whose Q differs by at least `margin`, as (prefix, chosen step, rejected step)."""
-    out = []
-    for parent in tree.nodes:
-        kids = sorted((tree.nodes[c] for c in parent.children if tree.nodes[c].visits >= min_visits),
-                      key=lambda n: (-n.q, n.node_id))
-        for i, a in enumerate(kids):
-            for b in kids[i + 1:]:
-                if a.q - b.q >= margin:
-                    out.append({"prompt": tree.prompt, "prefix": tree.prefix(parent.node_id), "chosen": a.text,
-                                "rejected": b.text, "chosen_q": a.q, "rejected_q": b.q,
-                                "chosen_node": a.node_id, "rejected_node": b.node_id})
-    return out

@@ -23,6 +23,7 @@ class Inputs:
     reward_model_uri: str | None = None
     reward_model_id: str | None = None
     reference_uri: str | None = None  # the implicit PRM's reference
+    tree_values: str | None = None  # score.tree: what valued the MCTS tree's open nodes, rollouts or prm
 
 
 def plan(p: Planner) -> Inputs:
@@ -42,6 +43,9 @@ def plan(p: Planner) -> Inputs:
             inputs = Inputs(policy["uri"], policy["model_id"], rm, trained["uri"], trained["model_id"])
     elif rm != "none" and rm not in REWARD_MODELS:  # a user's reward model by dotted path: nothing to train
         inputs = Inputs(policy["uri"], policy["model_id"], rm, None, rm)
+    if cfg.score.tree is not None:  # as generate planned it: the previous PRM where value=prm and one exists
+        prm = cfg.generate.mcts.value == "prm" and p.optional_model(p.round - 1, "prm")
+        inputs.tree_values = "prm" if prm else "rollouts"
     return inputs
 
 
@@ -98,6 +102,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics |= backend_metrics(backend)
         log("score", f"{stats['rollouts']} rollouts from {stats['unique_prefixes']} distinct prefixes, "
                      f"{stats['generated_tokens']} tokens")
+    if sc.tree is not None:
+        tree_pairs = _tree_data(spec, trajs, steps, {v["trajectory_id"]: v["correct"] for v in vers},
+                                labels, metrics, rollouts_valued=inp.tree_values == "rollouts")
+        searched = {p["trajectory_id"] for p in pairs}  # a wrong answer keeps the Monte Carlo search's pair
+        pairs += [p for p in tree_pairs if p["trajectory_id"] not in searched]
+        metrics["step_pairs"] = len(pairs)
     if sc.oracle_labels:
         oracle = oracle_labels(domain, problems, [it for it in items if it["steps"]])
         labels += oracle  # for evaluation only: train_reward reads Monte Carlo sources alone
@@ -108,6 +118,30 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
     write(out, scores=rows, step_labels=labels, step_pairs=pairs)
     return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None)
+
+
+def _tree_data(spec: StageSpec, trajs: list[dict[str, Any]], steps: dict[str, list[str]],
+               correct: dict[str, bool | None], labels: list[dict[str, Any]], metrics: dict[str, float], *,
+               rollouts_valued: bool) -> list[dict[str, Any]]:
+    """score.tree: labels from the round's MCTS trees (added to `labels`) and the step pairs they give."""
+    from components.search.training import tree_step_labels, tree_step_pairs
+
+    t = spec.cfg().score.tree
+    mine = {x["problem_id"] for x in trajs}  # this shard's
+    nodes = [n for n in spec.rows("generate", "nodes") if n["problem_id"] in mine]
+    if not nodes:
+        raise RuntimeError(f"{spec.stage_run_id}: score.tree labels from generate.mcts's trees, but generate wrote "
+                           "no `nodes` this round")
+    tree_labels, stats = tree_step_labels(nodes, trajs, steps, correct, rollouts_valued=rollouts_valued)
+    labels += tree_labels
+    pairs = tree_step_pairs(nodes, trajs, correct, margin=t.pair_margin, min_visits=t.min_visits,
+                            rollouts_valued=rollouts_valued)
+    metrics |= {f"tree_{k}": float(v) for k, v in stats.items()} | {"tree_pairs": float(len(pairs))}
+    log("score", f"tree labels ({'rollouts' if rollouts_valued else 'PRM'} values): {stats['tree_steps']} steps from "
+                 f"nodes and {stats['rollout_steps']} from rollouts, on {stats['labelled_trajectories']} of "
+                 f"{len(trajs)} trajectories ({stats['misaligned']} misaligned); {len(pairs)} sibling pairs at Q "
+                 f"margin {t.pair_margin}")
+    return pairs
 
 
 def mean_scores(rows: list[dict[str, Any]], scored: int, reward_model: bool) -> dict[str, float]:

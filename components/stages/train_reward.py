@@ -92,8 +92,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         labelled_round |= {e["trajectory_id"]: 0 for e in imported}
         outcome_examples += outcomes if tr.orm else []
     if not examples:
-        raise RuntimeError(f"{spec.stage_run_id}: no Monte Carlo step labels in rounds {inp.label_rounds}; "
-                           "is score.mc_rollouts > 0?")
+        raise RuntimeError(f"{spec.stage_run_id}: no {tr.label_source} step labels in rounds {inp.label_rounds}; "
+                           + ("did score.tree label any trajectory?" if tr.label_source.startswith("tree_")
+                              else "is score.mc_rollouts > 0?"))
     demos = demo_prm_examples(selected(spec, 0, demos_only=True), domain.split_steps, examples) if tr.demos else []
     examples += demos
     labelled_round |= {e["trajectory_id"]: 0 for e in demos}

@@ -1,6 +1,8 @@
-"""MCTS as generate's sampler (`generate.mcts`), one micro round through the real flow: every tree in the store's
-`nodes` table, the trajectories the search returned pointing at their leaves, and the whole search counted in
-the round's token budget. What is asserted is read back with SQL, as a user would ask it.
+"""MCTS as generate's sampler (`generate.mcts`), one micro round of the coevo recipe through the real flow: every
+tree in the store's `nodes` table, the trajectories the search returned pointing at their leaves, the whole search
+counted in the round's token budget, and the training data the tree gives with no rollouts of score's own: step
+labels the PRM trains on (`score.tree`, `train_reward.label_source=tree_hard`) and step pairs DPO trains on
+(`filter.step_dpo_pairs`). What is asserted is read back with SQL, as a user would ask it.
 
     .venv/bin/python -m pytest tests/integration/test_search.py -q
 """
@@ -20,6 +22,10 @@ pytestmark = pytest.mark.slow
 MCTS = ["rounds=1", "generate.mcts={simulations: 6, expansions: 3, max_step_tokens: 16, rollouts: 2}",
         "generate.problems_per_level=20", "generate.samples_per_problem=4", "train_policy.steps=40",
         "evaluate.problems_per_level=20", "evaluate.maj_k=1"]
+TREE_DATA = ["recipe=coevo", "score.tree={pair_margin: 0.25}",
+             "train_reward={enabled: true, label_source: tree_hard, head: likelihood, lm_weight: 1.0, steps: 30, "
+             "batch_size: 32, learning_rate: 1.0e-3}",
+             "filter.step_dpo_pairs=true", "train_policy.method=sft+dpo", "train_policy.dpo={steps: 10, batch_size: 16}"]
 
 # Each returned trajectory's node path, rebuilt from its node up to the root: a terminal leaf's path is the whole
 # completion; a node the search completed by one of its rollouts starts it.
@@ -42,7 +48,7 @@ def mcts_run(prefect_server, micro_workdir, tmp_path_factory):
 
     w = tmp_path_factory.mktemp("mcts")
     config = REPO / "configs" / "micro.yaml"
-    overrides = [f"workdir={w}", "experiment=micro-mcts", *MCTS, *micro_workdir.start_from_round0()]
+    overrides = [f"workdir={w}", "experiment=micro-mcts", *MCTS, *TREE_DATA, *micro_workdir.start_from_round0()]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)
@@ -107,3 +113,47 @@ def test_export_carries_the_trees(mcts_run, tmp_path):
               check=True)
     n = store.query("SELECT count(*) FROM nodes WHERE experiment_id = ?", [cfg.experiment])[1][0][0]
     assert n > 0 and pq.read_table(tmp_path / "x" / "nodes.parquet").num_rows == n
+
+
+def test_the_tree_labels_every_returned_solution_and_the_prm_trains_on_them(mcts_run):
+    cfg, store = mcts_run
+    by_source = dict(store.query(
+        "SELECT source, count(DISTINCT trajectory_id) FROM step_labels l JOIN trajectories t USING (trajectory_id) "
+        "WHERE t.experiment_id = ? AND t.round = 1 GROUP BY 1", [cfg.experiment])[1])
+    returned = store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND round = 1 "
+                           "AND purpose = 'train'", [cfg.experiment])[1][0][0]
+    assert by_source["tree_hard"] == returned and "mc_hard" not in by_source  # no rollouts of score's own
+    # Where a right answer ended, every step on its way is good; a terminal step's Q is its verified reward.
+    assert store.query("""
+        SELECT count(*) FROM step_labels l JOIN verifications v USING (trajectory_id)
+        WHERE l.source = 'tree_hard' AND v.correct AND l.value <> 1""")[1] == [(0,)]
+    wrong_last = store.query("""
+        SELECT count(*), count(*) FILTER (WHERE l.value = 0) FROM step_labels l JOIN verifications v
+        USING (trajectory_id) JOIN (SELECT trajectory_id, max(step_index) AS last FROM steps GROUP BY 1) s
+        USING (trajectory_id) WHERE l.source = 'tree_soft' AND NOT v.correct AND l.step_index = s.last""")[1][0]
+    assert wrong_last[0] > 0 and wrong_last[0] == wrong_last[1]
+    metrics = json.loads(store.query("SELECT metrics_json FROM stage_runs WHERE experiment_id = ? AND round = 1 "
+                                     "AND stage = 'score' AND status = 'committed'", [cfg.experiment])[1][0][0])
+    assert metrics["tree_misaligned"] == 0 and metrics["tree_labelled_trajectories"] == returned
+    reasons = store.query("SELECT DISTINCT reason FROM selections WHERE purpose = 'reward_train' AND selected "
+                          "AND experiment_id = ?", [cfg.experiment])[1]
+    assert reasons and all(r.startswith("tree labels") for r, in reasons)
+    assert store.committed_model(cfg.experiment, 1, "prm") is not None
+
+
+def test_dpo_trains_on_pairs_that_part_at_siblings_of_the_tree(mcts_run):
+    cfg, store = mcts_run
+    pairs = store.query("""
+        SELECT p.trajectory_id, p.chosen_from, p.step_index, p.chosen_q - p.rejected_q, p.prefix || p.chosen = c.completion,
+               p.prefix || p.rejected = w.completion, vc.correct, vw.correct
+        FROM step_pairs p JOIN trajectories w USING (trajectory_id) JOIN trajectories c ON c.trajectory_id = p.chosen_from
+        JOIN verifications vc ON vc.trajectory_id = c.trajectory_id JOIN verifications vw ON vw.trajectory_id = w.trajectory_id
+        WHERE p.source = 'tree' AND w.experiment_id = ? AND w.problem_id = c.problem_id""", [cfg.experiment])[1]
+    assert pairs and all(gap >= 0.25 and whole_c and whole_w and right and not wrong
+                         for _, _, _, gap, whole_c, whole_w, right, wrong in pairs)
+    selected = store.query("SELECT count(*) FROM selections WHERE purpose = 'step_dpo' AND selected AND reason LIKE "
+                           "'tree: parts at step %' AND experiment_id = ?", [cfg.experiment])[1][0][0]
+    assert selected == len(pairs)
+    uses = dict(store.query("SELECT use, count(*) FROM model_inputs WHERE model_id = ? GROUP BY 1",
+                            [store.committed_model(cfg.experiment, 1, "policy")["model_id"]])[1])
+    assert uses["step_dpo_rejected"] == len(pairs) and uses["step_dpo_chosen"] >= 1

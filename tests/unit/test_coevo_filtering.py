@@ -98,7 +98,7 @@ def test_prm_examples_threshold_consensus_and_dedup():
                            consensus=True)
     assert [e["trajectory_id"] for e in ex] == ["a"]
     assert dec[-1]["reason"] == "consensus: mc first error -1, prm 0"
-    with pytest.raises(ValueError, match="mc_hard, mc_soft or given"):
+    with pytest.raises(ValueError, match="mc_hard, mc_soft, tree_hard, tree_soft or given"):
         prm_examples(items, labels, source="oracle")
     # Imported step labels (source 'given') are hard labels, named as given in the decision.
     given = {"g": {0: {"given": 1.0}, 1: {"given": 0.0}}}

@@ -134,10 +134,29 @@ def test_incompatible_settings_say_what_to_change():
     ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4},
       "evaluate": {"levels": [1, 2], "search": {"level": 3}}}, r"evaluate.search.level=3 is not among "
                                                                r"evaluate.levels=\[1, 2\]"),
+    # Labels and pairs from the MCTS tree.
+    ({"score": {"tree": {}}}, "score.tree labels steps from generate.mcts's trees: set generate.mcts"),
+    ({"score": {"tree": {"pair_margin": 1.5}}, "generate": {"mcts": {}}}, "score.tree.pair_margin: Input should be "
+                                                                          "less than or equal to 1"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True, "label_source": "tree_hard"}, "generate": {"mcts": {}}},
+     r"train_reward.label_source=tree_hard trains on the MCTS tree's labels: set score.tree"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}, "generate": {"mcts": {}}, "score": {"tree": {}}},
+     "train_reward.label_source=mc_hard needs Monte Carlo step labels to train on: set score.mc_rollouts >= 1 "
+     r"\(or, with generate.mcts, score.tree and label_source tree_hard or tree_soft\)"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):
         load_config_dict({"experiment": "x", **data})
+
+
+def test_an_mcts_round_can_train_the_prm_and_dpo_on_its_tree_alone():
+    cfg = load_config_dict({"experiment": "x", "recipe": "coevo", "generate": {"mcts": {}},
+                            "score": {"tree": {"pair_margin": 0.5}},
+                            "train_reward": {"enabled": True, "label_source": "tree_soft"},
+                            "filter": {"step_dpo_pairs": True}, "train_policy": {"method": "sft+dpo"}})
+    assert cfg.score.mc_rollouts == 0 and cfg.score.tree.pair_margin == 0.5 and cfg.score.tree.min_visits == 1
+    # An unset section leaves the config hash as it was before the setting existed.
+    assert "tree" not in load_config_dict({"experiment": "x"}).model_dump()["score"]
 
 
 def test_the_implicit_prm_needs_no_reward_model_training():

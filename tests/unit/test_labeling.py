@@ -90,9 +90,10 @@ def test_mc_first_error_labels_binary_search_hand_computed():
     # trajectory's own way on; where the first step is dead, a right sample of the problem is the chosen side.
     assert pairs == [
         {"trajectory_id": "wrong", "step_index": 1, "prefix": "1+2=3\n", "chosen": "3+3=6\n6+1=7\n7+1=8\n#### 8\n",
-         "rejected": "3+3=7\n7+1=8\n8+1=9\n#### 9\n", "chosen_from": "rollout"},
+         "rejected": "3+3=7\n7+1=8\n8+1=9\n#### 9\n", "chosen_from": "rollout", "source": "mc", "chosen_q": None,
+         "rejected_q": None},
         {"trajectory_id": "one-step", "step_index": 0, "prefix": "", "chosen": right, "rejected": "#### 3\n",
-         "chosen_from": "right"}]
+         "chosen_from": "right", "source": "mc", "chosen_q": None, "rejected_q": None}]
     # Search over [0, 4]: mid 2 dead -> [0, 2]; mid 1 dead -> [0, 1]; mid 0 alive -> first bad step 1.
     assert [hard[("wrong", i)] for i in range(5)] == [(1.0, 3), (0.0, 3), (0.0, 3), (0.0, 0), (0.0, 0)]
     assert [c[0] for c in backend.calls] == [[prefix(2)], [prefix(1)], [prefix(0)]]

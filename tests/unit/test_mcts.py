@@ -3,7 +3,8 @@ steps of +1, +2 or +3. The policy prefers +1 (the wrong step for a target of 9),
 fraction of the remaining distance a prefix can still cover, and the verifier pays 1 at the target.
 
 The search must find the solution the policy alone would not, put its visits on it, back up Q and visits
-consistently, be deterministic, stop at its token budget, and give step preferences where siblings' Q differ.
+consistently, be deterministic and stop at its token budget (test_tree_training.py: the training data the tree
+gives).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 
 import pytest
 
-from components.search import Candidate, MCTSConfig, mcts_search, node_rows, sibling_pairs
+from components.search import Candidate, MCTSConfig, mcts_search, node_rows
 
 STEPS = 3
 LOGPROBS = {1: -0.2, 2: -1.5, 3: -2.5}  # the policy's preference: +1 first
@@ -89,15 +90,6 @@ def test_same_inputs_same_tree_and_the_budget_stops_it():
                                                                              token_budget=20))
     # Each simulation expands one leaf per tree, 3 candidates of 2 tokens: 12 tokens a simulation.
     assert spent == 24 and len(trees[0].nodes) == 1 + 2 * 3
-
-
-def test_sibling_preferences_follow_q():
-    tree = mcts_search(["9"], expand, value, reward, MCTSConfig(simulations=12, expansions=3))[0][0]
-    pairs = sibling_pairs(tree, margin=0.25)
-    assert pairs and all(p["chosen_q"] - p["rejected_q"] >= 0.25 for p in pairs)
-    root = [p for p in pairs if p["prefix"] == ""]
-    assert {(p["chosen"], p["rejected"]) for p in root} == {("+3\n", "+1\n"), ("+3\n", "+2\n")}
-    assert not sibling_pairs(tree, margin=1.01)
 
 
 @pytest.mark.parametrize("field, value_, said", [

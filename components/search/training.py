@@ -1,0 +1,170 @@
+"""Training data from a search's trees (the store's `nodes` rows): step labels from the nodes' Q, and step
+preference pairs from sibling nodes, for the PRM and for DPO, with no rollouts beyond the search's own.
+
+    labels, stats = tree_step_labels(nodes, trajectories, steps, correct, rollouts_valued=True)
+    pairs = tree_step_pairs(nodes, trajectories, correct, margin=0.25)
+
+A trajectory the search returned names its node (`nodes.trajectory_id`): a terminal leaf, whose path is the whole
+solution, or a node one of its rollouts completed, whose path is the solution's first steps. Each path step is
+one node, so its labels are the node's:
+
+- `tree_soft`: the node's Q, the mean of the values backed up through it (the verifier's rewards at terminal
+  nodes below it, rollouts' shares or a PRM's scores at the others): rStar-Math's Q-value annotation;
+- `tree_hard`: 1 where a right solution is known to pass through the node (a right terminal leaf below it, a
+  right trajectory through it, or, where rollouts valued the tree, a rollout from it or below that reached the
+  answer), else 0: Math-Shepherd's hard estimate, over what the search drew.
+
+A rollout's own steps (after the node it completed) are labelled as `score.mc_strategy=first_error` labels a
+trajectory it did not search: each step of a right one good, only the final step of a wrong one bad.
+
+Pairs (MCTS-DPO, Xie et al. 2024; Step-DPO, Lai et al. 2024): a wrong trajectory against a right one of the same
+tree where their paths split at two siblings whose Q differs by at least `margin`. Both sides are whole
+solutions sharing the prefix up to the split, so the DPO margin falls on the step where they part.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+
+class _Tree:
+    """One tree's `nodes` rows, by node id, with each node's children and whether a right solution passes
+    through it."""
+
+    def __init__(self, rows: list[dict[str, Any]], correct: dict[str, bool | None], rollouts_valued: bool):
+        self.nodes = {r["node_id"]: r for r in rows}
+        self.children: dict[int, list[int]] = defaultdict(list)
+        for r in rows:
+            if r["parent_id"] is not None:
+                self.children[r["parent_id"]].append(r["node_id"])
+        self.right: dict[int, bool] = {}
+        for nid in sorted(self.nodes, key=lambda i: -self.nodes[i]["depth"]):  # children before their parents
+            n = self.nodes[nid]
+            self.right[nid] = bool(
+                (n["terminal"] and n["reward"] == 1.0)
+                or (n["trajectory_id"] is not None and correct.get(n["trajectory_id"]) is True)
+                or (rollouts_valued and not n["terminal"] and (n["value"] or 0.0) > 0.0)
+                or any(self.right[c] for c in self.children[nid]))
+
+    def path(self, node_id: int) -> list[dict[str, Any]]:
+        """The nodes from the root's first child down to `node_id` (the root, the problem, is left out)."""
+        out = []
+        at = node_id
+        while self.nodes[at]["parent_id"] is not None:
+            out.append(self.nodes[at])
+            at = self.nodes[at]["parent_id"]
+        return out[::-1]
+
+
+def _trees(nodes: Iterable[dict[str, Any]], correct: dict[str, bool | None],
+           rollouts_valued: bool) -> dict[str, _Tree]:
+    by_tree: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in nodes:
+        by_tree[r["tree_id"]].append(r)
+    return {tid: _Tree(rows, correct, rollouts_valued) for tid, rows in by_tree.items()}
+
+
+def _leaves(trees: dict[str, _Tree]) -> dict[str, tuple[_Tree, int]]:
+    """trajectory id -> (its tree, the node it became)."""
+    return {n["trajectory_id"]: (t, nid) for t in trees.values() for nid, n in t.nodes.items()
+            if n["trajectory_id"] is not None}
+
+
+def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str, Any]],
+                     steps: dict[str, list[str]], correct: dict[str, bool | None], *,
+                     rollouts_valued: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """`step_labels` rows (sources tree_soft and tree_hard; see the module docstring) for every trajectory the
+    trees returned, and counts: `labelled_trajectories`, `tree_steps` (labelled from nodes), `rollout_steps`
+    (from a rollout's outcome) and `misaligned` (a trajectory whose stored steps are not its path's: left
+    unlabelled). `steps` maps a trajectory to its `domain.split_steps` texts; `rollouts_valued` says whether
+    rollouts, not a PRM, valued the open nodes."""
+    leaves = _leaves(_trees(nodes, correct, rollouts_valued))
+    rows: list[dict[str, Any]] = []
+    stats = {"labelled_trajectories": 0, "tree_steps": 0, "rollout_steps": 0, "misaligned": 0}
+    for traj in sorted(trajectories, key=lambda t: t["trajectory_id"]):
+        tid = traj["trajectory_id"]
+        if tid not in leaves:
+            continue
+        tree, nid = leaves[tid]
+        path = [n for n in tree.path(nid) if n["step_text"]]  # an EOS node ends the solution with no step
+        own = steps.get(tid, [])
+        if len(own) < len(path) or any(s.strip() != n["step_text"].strip() for s, n in zip(own, path)):
+            stats["misaligned"] += 1
+            continue
+        stats["labelled_trajectories"] += 1
+
+        def row(i: int, source: str, value: float, rollouts: int) -> dict[str, Any]:
+            return {"trajectory_id": tid, "step_index": i, "source": source, "value": value, "num_rollouts": rollouts}
+
+        for i, n in enumerate(path):
+            if n["visits"]:
+                rows.append(row(i, "tree_soft", float(n["q"]), n["visits"]))
+            rows.append(row(i, "tree_hard", float(tree.right[n["node_id"]]), n["visits"]))
+            stats["tree_steps"] += 1
+        tail = range(len(path), len(own))
+        ok = correct.get(tid)
+        if tail and ok is True:  # the rollout is itself a right completion of each of its prefixes
+            rows += [row(i, "tree_hard", 1.0, 1) for i in tail] + [row(tail[-1], "tree_soft", 1.0, 1)]
+            stats["rollout_steps"] += len(tail)
+        elif tail and ok is False:  # only the final step's value is known: the wrong answer itself
+            rows += [row(tail[-1], "tree_hard", 0.0, 1), row(tail[-1], "tree_soft", 0.0, 1)]
+            stats["rollout_steps"] += 1
+    return rows, stats
+
+
+def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str, Any]],
+                    correct: dict[str, bool | None], *, margin: float, min_visits: int = 1,
+                    rollouts_valued: bool = True) -> list[dict[str, Any]]:
+    """`step_pairs` rows (source `tree`): for each wrong trajectory, the right trajectory of its tree whose path
+    parts from its own at siblings with Q apart by at least `margin` (each visited `min_visits` times): the
+    widest gap, then the longest shared prefix, then the lower trajectory id. Where one path contains the other
+    (a rollout completed an ancestor of the other's node), they part inside a rollout, not at siblings: no pair.
+
+    >>> nodes = [{"tree_id": "t", "node_id": 0, "parent_id": None, "step_text": "", "depth": 0, "visits": 4,
+    ...           "q": 0.5, "value": None, "terminal": False, "reward": None, "trajectory_id": None}]
+    >>> for i, (text, r, tid) in enumerate([("1+1=2\\n", 1.0, "a"), ("1+1=3\\n", 0.0, "b")], 1):
+    ...     nodes.append({"tree_id": "t", "node_id": i, "parent_id": 0, "step_text": text, "depth": 1, "visits": 2,
+    ...                   "q": r, "value": None, "terminal": True, "reward": r, "trajectory_id": tid})
+    >>> trajs = [{"trajectory_id": "a", "completion": "1+1=2\\n"}, {"trajectory_id": "b", "completion": "1+1=3\\n"}]
+    >>> [(p["trajectory_id"], p["step_index"], p["chosen"], p["chosen_from"])
+    ...  for p in tree_step_pairs(nodes, trajs, {"a": True, "b": False}, margin=0.5)]
+    [('b', 0, '1+1=2\\n', 'a')]
+    """
+    trees = _trees(nodes, correct, rollouts_valued)
+    leaves = _leaves(trees)
+    by_id = {t["trajectory_id"]: t for t in trajectories if t["trajectory_id"] in leaves}
+    right_in: dict[int, list[str]] = defaultdict(list)  # id(tree) -> its right trajectories
+    for tid in sorted(by_id):
+        if correct.get(tid) is True:
+            right_in[id(leaves[tid][0])].append(tid)
+    pairs = []
+    for wrong in sorted(by_id):
+        if correct.get(wrong) is not False:
+            continue
+        tree, w_node = leaves[wrong]
+        w_path = [n["node_id"] for n in tree.path(w_node)]
+        best = None
+        for right in right_in[id(tree)]:
+            r_path = [n["node_id"] for n in tree.path(leaves[right][1])]
+            shared = next((i for i, (a, b) in enumerate(zip(r_path, w_path)) if a != b), None)
+            if shared is None:  # one path is a prefix of the other
+                continue
+            a, b = tree.nodes[r_path[shared]], tree.nodes[w_path[shared]]
+            if min(a["visits"], b["visits"]) < max(min_visits, 1) or a["q"] - b["q"] < margin:
+                continue
+            key = (-(a["q"] - b["q"]), -shared, right)
+            if best is None or key < best[0]:
+                best = (key, right, shared, a, b)
+        if best is None:
+            continue
+        _, right, shared, a, b = best
+        prefix = "".join(n["step_text"] for n in tree.path(w_node)[:shared])
+        chosen, rejected = by_id[right]["completion"], by_id[wrong]["completion"]
+        if not (chosen.startswith(prefix) and rejected.startswith(prefix)):
+            raise ValueError(f"tree_step_pairs: {wrong} or {right} does not start with its tree path's steps")
+        pairs.append({"trajectory_id": wrong, "step_index": shared, "prefix": prefix,
+                      "chosen": chosen[len(prefix):], "rejected": rejected[len(prefix):], "chosen_from": right,
+                      "source": "tree", "chosen_q": float(a["q"]), "rejected_q": float(b["q"])})
+    return pairs
