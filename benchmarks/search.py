@@ -9,7 +9,10 @@ Per seed:
 - `mcts`: the same config from that run's round-0 policy (`bootstrap.steps=0`), sampling by `generate.mcts`
   (K = 4 draws per expansion, 2 rollouts per valued prefix, up to 4 solutions returned per tree: its terminal
   leaves, then its nodes completed by their rollouts) with a token budget
-  per problem equal to what `until_correct` spent per problem over its rounds, so both arms spend about the same.
+  per problem equal to what `until_correct` spent per problem over its rounds, so both arms spend about the same;
+- `mcts_dpo`: `mcts`, and DPO after the SFT on the tree's step pairs (`score.tree`, `filter.step_dpo_pairs`,
+  `train_policy.method=sft+dpo`: a wrong answer against a right one parting from it at siblings apart in Q,
+  MCTS-DPO), which cost no tokens beyond the search's.
 
 Each arm is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. From the store (`v_round_summary`), per arm and seed: the round's whole budget (`budget_tokens`: samples,
@@ -37,6 +40,8 @@ from benchmarks.grpo_vs_rft import _run  # noqa: E402 - `coevo run` in its own p
 HARDEST = 3
 UNTIL_CORRECT = ["generate.until_correct=2", "generate.wave_size=2"]
 MCTS = "generate.mcts={{simulations: 64, expansions: 4, max_step_tokens: 16, rollouts: 2, token_budget: {budget}}}"
+TREE_DPO = ["score.tree={pair_margin: 0.25}", "filter.step_dpo_pairs=true", "train_policy.method=sft+dpo",
+            "train_policy.dpo={steps: 20, batch_size: 16, learning_rate: 5.0e-5, beta: 0.1, reference: previous}"]
 
 
 def _rows(store, experiment: str) -> list[dict]:
@@ -80,8 +85,12 @@ def main() -> None:
         arm = [*base, f"experiment={exp_m}", MCTS.format(budget=budget), "generate.samples_per_problem=4",
                f"policy.model={model['uri']}", "bootstrap.steps=0"]
         _run("configs/micro.yaml", arm, args.workdir / f"{exp_m}.log")
+        exp_d = f"bench-mcts-dpo-s{seed}"
+        print(f"[bench] seed {seed}: mcts, and DPO on the tree's step pairs", flush=True)
+        _run("configs/micro.yaml", [*arm, f"experiment={exp_d}", *TREE_DPO], args.workdir / f"{exp_d}.log")
         report["arms"].setdefault("until_correct", {})[seed] = uc
         report["arms"].setdefault("mcts", {})[seed] = _rows(store(), exp_m)
+        report["arms"].setdefault("mcts_dpo", {})[seed] = _rows(store(), exp_d)
         report.setdefault("mcts_token_budget", {})[seed] = budget
     print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative budget tokens: samples, search and rollouts)")
     for arm, seeds in report["arms"].items():
@@ -89,12 +98,17 @@ def main() -> None:
             print(f"{arm:14s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['cumulative_tokens']})"
                                                         for r in rows), flush=True)
     final = {arm: {s: rows[-1]["hardest"] for s, rows in seeds.items()} for arm, seeds in report["arms"].items()}
-    diffs = [final["mcts"][s] - final["until_correct"][s] for s in args.seeds]
+    diffs = {arm: [final[arm][s] - final["until_correct"][s] for s in args.seeds] for arm in ("mcts", "mcts_dpo")}
     spread = {arm: max(v.values()) - min(v.values()) for arm, v in final.items()}
     report["final"], report["difference"], report["seed_spread"] = final, diffs, spread
-    print(f"\nthe issue's figure: final level-{HARDEST} accuracy, mcts - until_correct, per seed: "
-          + ", ".join(f"{d:+.3f}" for d in diffs) + f" (goal +0.05 beyond the seed spread; spread: "
-          + ", ".join(f"{a} {v:.3f}" for a, v in spread.items()) + ")")
+    pairs = dict(store().query("SELECT experiment_id, count(*) FROM step_pairs JOIN trajectories USING (trajectory_id) "
+                               "WHERE source = 'tree' GROUP BY 1")[1])
+    report["tree_pairs"] = {s: pairs.get(f"bench-mcts-dpo-s{s}", 0) for s in args.seeds}
+    print(f"\nthe tree's step pairs, all rounds, per seed: {report['tree_pairs']}")
+    for arm, d in diffs.items():
+        print(f"the issue's figure: final level-{HARDEST} accuracy, {arm} - until_correct, per seed: "
+              + ", ".join(f"{x:+.3f}" for x in d))
+    print("goal +0.05 beyond the seed spread; spread: " + ", ".join(f"{a} {v:.3f}" for a, v in spread.items()))
     if args.curves:
         exp_c = "bench-curves"
         model = store().committed_model(f"bench-uc-s{args.seeds[0]}", 0, "policy")
