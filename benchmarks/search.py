@@ -12,7 +12,9 @@ Per seed:
   per problem equal to what `until_correct` spent per problem over its rounds, so both arms spend about the same;
 - `mcts_dpo`: `mcts`, and DPO after the SFT on the tree's step pairs (`score.tree`, `filter.step_dpo_pairs`,
   `train_policy.method=sft+dpo`: a wrong answer against a right one parting from it at siblings apart in Q,
-  MCTS-DPO), which cost no tokens beyond the search's.
+  MCTS-DPO), which cost no tokens beyond the search's;
+- `mcts_rpo`: `mcts_dpo` with the chosen side's NLL added to the DPO loss (`train_policy.dpo.sft_weight=1`,
+  RPO), which keeps DPO from lowering the likelihood of the right answers it prefers.
 
 Each arm is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. From the store (`v_round_summary`), per arm and seed: the round's whole budget (`budget_tokens`: samples,
@@ -88,9 +90,14 @@ def main() -> None:
         exp_d = f"bench-mcts-dpo-s{seed}"
         print(f"[bench] seed {seed}: mcts, and DPO on the tree's step pairs", flush=True)
         _run("configs/micro.yaml", [*arm, f"experiment={exp_d}", *TREE_DPO], args.workdir / f"{exp_d}.log")
+        exp_r = f"bench-mcts-rpo-s{seed}"
+        print(f"[bench] seed {seed}: mcts, and RPO on the tree's step pairs", flush=True)
+        _run("configs/micro.yaml", [*arm, f"experiment={exp_r}", *TREE_DPO, "train_policy.dpo.sft_weight=1.0"],
+             args.workdir / f"{exp_r}.log")
         report["arms"].setdefault("until_correct", {})[seed] = uc
         report["arms"].setdefault("mcts", {})[seed] = _rows(store(), exp_m)
         report["arms"].setdefault("mcts_dpo", {})[seed] = _rows(store(), exp_d)
+        report["arms"].setdefault("mcts_rpo", {})[seed] = _rows(store(), exp_r)
         report.setdefault("mcts_token_budget", {})[seed] = budget
     print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative budget tokens: samples, search and rollouts)")
     for arm, seeds in report["arms"].items():
@@ -98,7 +105,8 @@ def main() -> None:
             print(f"{arm:14s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['cumulative_tokens']})"
                                                         for r in rows), flush=True)
     final = {arm: {s: rows[-1]["hardest"] for s, rows in seeds.items()} for arm, seeds in report["arms"].items()}
-    diffs = {arm: [final[arm][s] - final["until_correct"][s] for s in args.seeds] for arm in ("mcts", "mcts_dpo")}
+    diffs = {arm: [final[arm][s] - final["until_correct"][s] for s in args.seeds]
+             for arm in ("mcts", "mcts_dpo", "mcts_rpo")}
     spread = {arm: max(v.values()) - min(v.values()) for arm, v in final.items()}
     report["final"], report["difference"], report["seed_spread"] = final, diffs, spread
     pairs = dict(store().query("SELECT experiment_id, count(*) FROM step_pairs JOIN trajectories USING (trajectory_id) "
