@@ -225,4 +225,3 @@ def node_rows(tree: Tree) -> list[dict[str, Any]]:
     return [{"node_id": n.node_id, "parent_id": n.parent_id, "step_text": n.text, "depth": n.depth,
              "prior": n.prior, "visits": n.visits, "q": n.q, "value": n.value, "terminal": n.terminal,
              "reward": n.reward, "tokens": n.tokens} for n in tree.nodes]
-

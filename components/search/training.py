@@ -115,8 +115,7 @@ def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[st
 
 
 def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str, Any]],
-                    correct: dict[str, bool | None], *, margin: float, min_visits: int = 1,
-                    rollouts_valued: bool = True) -> list[dict[str, Any]]:
+                    correct: dict[str, bool | None], *, margin: float, min_visits: int = 1) -> list[dict[str, Any]]:
     """`step_pairs` rows (source `tree`): for each wrong trajectory, the right trajectory of its tree whose path
     parts from its own at siblings with Q apart by at least `margin` (each visited `min_visits` times): the
     widest gap, then the longest shared prefix, then the lower trajectory id. Where one path contains the other
@@ -132,8 +131,7 @@ def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str
     ...  for p in tree_step_pairs(nodes, trajs, {"a": True, "b": False}, margin=0.5)]
     [('b', 0, '1+1=2\\n', 'a')]
     """
-    trees = _trees(nodes, correct, rollouts_valued)
-    leaves = _leaves(trees)
+    leaves = _leaves(_trees(nodes, correct, rollouts_valued=False))  # pairs read Q, not `right`
     by_id = {t["trajectory_id"]: t for t in trajectories if t["trajectory_id"] in leaves}
     right_in: dict[int, list[str]] = defaultdict(list)  # id(tree) -> its right trajectories
     for tid in sorted(by_id):

@@ -110,7 +110,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics["step_pairs"] = len(pairs)
     if sc.oracle_labels:
         oracle = oracle_labels(domain, problems, [it for it in items if it["steps"]])
-        labels += oracle  # for evaluation only: train_reward reads Monte Carlo sources alone
+        labels += oracle  # for evaluation only: train_reward reads its label_source alone
         metrics["oracle_labelled_steps"] = len(oracle)
     if inp.reward_model is not None:
         rows += reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
@@ -134,8 +134,7 @@ def _tree_data(spec: StageSpec, trajs: list[dict[str, Any]], steps: dict[str, li
                            "no `nodes` this round")
     tree_labels, stats = tree_step_labels(nodes, trajs, steps, correct, rollouts_valued=rollouts_valued)
     labels += tree_labels
-    pairs = tree_step_pairs(nodes, trajs, correct, margin=t.pair_margin, min_visits=t.min_visits,
-                            rollouts_valued=rollouts_valued)
+    pairs = tree_step_pairs(nodes, trajs, correct, margin=t.pair_margin, min_visits=t.min_visits)
     metrics |= {f"tree_{k}": float(v) for k, v in stats.items()} | {"tree_pairs": float(len(pairs))}
     log("score", f"tree labels ({'rollouts' if rollouts_valued else 'PRM'} values): {stats['tree_steps']} steps from "
                  f"nodes and {stats['rollout_steps']} from rollouts, on {stats['labelled_trajectories']} of "

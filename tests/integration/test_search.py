@@ -157,3 +157,19 @@ def test_dpo_trains_on_pairs_that_part_at_siblings_of_the_tree(mcts_run):
     uses = dict(store.query("SELECT use, count(*) FROM model_inputs WHERE model_id = ? GROUP BY 1",
                             [store.committed_model(cfg.experiment, 1, "policy")["model_id"]])[1])
     assert uses["step_dpo_rejected"] == len(pairs) and uses["step_dpo_chosen"] >= 1
+
+
+def test_a_rerun_of_generate_grows_the_same_trees_node_for_node(mcts_run):
+    """The same seed and inputs give the same trees. Last in the module: the rerun leaves the round's later
+    stages stale."""
+    from flows.evolution import run_stage
+
+    cfg, store = mcts_run
+    sql = ("SELECT n.tree_id, n.node_id, n.parent_id, n.step_text, n.depth, n.prior, n.visits, n.q, n.value, "
+           "n.terminal, n.reward, n.tokens, n.trajectory_id, n.stage_run_id FROM nodes n WHERE n.experiment_id = ? "
+           "ORDER BY n.tree_id, n.node_id")
+    before = store.query(sql, [cfg.experiment])[1]
+    run_stage(experiment=cfg.experiment, round=1, stage="generate", workdir=cfg.workdir)
+    after = Store.for_config(cfg).query(sql, [cfg.experiment])[1]
+    assert len(before) > 100 and {r[-1] for r in before}.isdisjoint({r[-1] for r in after})  # a new attempt's rows
+    assert [r[:-1] for r in after] == [r[:-1] for r in before]
