@@ -30,23 +30,26 @@ from typing import Any
 
 
 class _Tree:
-    """One tree's `nodes` rows, by node id, with each node's children and whether a right solution passes
-    through it."""
+    """One tree's `nodes` rows, by node id, with each node's children."""
 
-    def __init__(self, rows: list[dict[str, Any]], correct: dict[str, bool | None], rollouts_valued: bool):
+    def __init__(self, rows: list[dict[str, Any]]):
         self.nodes = {r["node_id"]: r for r in rows}
         self.children: dict[int, list[int]] = defaultdict(list)
         for r in rows:
             if r["parent_id"] is not None:
                 self.children[r["parent_id"]].append(r["node_id"])
-        self.right: dict[int, bool] = {}
+
+    def right(self, correct: dict[str, bool | None], rollouts_valued: bool) -> dict[int, bool]:
+        """node id -> whether a right solution is known to pass through it (the module docstring's tree_hard)."""
+        right: dict[int, bool] = {}
         for nid in sorted(self.nodes, key=lambda i: -self.nodes[i]["depth"]):  # children before their parents
             n = self.nodes[nid]
-            self.right[nid] = bool(
+            right[nid] = bool(
                 (n["terminal"] and n["reward"] == 1.0)
                 or (n["trajectory_id"] is not None and correct.get(n["trajectory_id"]) is True)
                 or (rollouts_valued and not n["terminal"] and (n["value"] or 0.0) > 0.0)
-                or any(self.right[c] for c in self.children[nid]))
+                or any(right[c] for c in self.children[nid]))
+        return right
 
     def path(self, node_id: int) -> list[dict[str, Any]]:
         """The nodes from the root's first child down to `node_id` (the root, the problem, is left out)."""
@@ -58,12 +61,11 @@ class _Tree:
         return out[::-1]
 
 
-def _trees(nodes: Iterable[dict[str, Any]], correct: dict[str, bool | None],
-           rollouts_valued: bool) -> dict[str, _Tree]:
+def _trees(nodes: Iterable[dict[str, Any]]) -> dict[str, _Tree]:
     by_tree: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in nodes:
         by_tree[r["tree_id"]].append(r)
-    return {tid: _Tree(rows, correct, rollouts_valued) for tid, rows in by_tree.items()}
+    return {tid: _Tree(rows) for tid, rows in by_tree.items()}
 
 
 def _leaves(trees: dict[str, _Tree]) -> dict[str, tuple[_Tree, int]]:
@@ -80,7 +82,9 @@ def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[st
     (from a rollout's outcome) and `misaligned` (a trajectory whose stored steps are not its path's: left
     unlabelled). `steps` maps a trajectory to its `domain.split_steps` texts; `rollouts_valued` says whether
     rollouts, not a PRM, valued the open nodes."""
-    leaves = _leaves(_trees(nodes, correct, rollouts_valued))
+    trees = _trees(nodes)
+    right = {id(t): t.right(correct, rollouts_valued) for t in trees.values()}
+    leaves = _leaves(trees)
     rows: list[dict[str, Any]] = []
     stats = {"labelled_trajectories": 0, "tree_steps": 0, "rollout_steps": 0, "misaligned": 0}
     for traj in sorted(trajectories, key=lambda t: t["trajectory_id"]):
@@ -101,7 +105,7 @@ def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[st
         for i, n in enumerate(path):
             if n["visits"]:
                 rows.append(row(i, "tree_soft", float(n["q"]), n["visits"]))
-            rows.append(row(i, "tree_hard", float(tree.right[n["node_id"]]), n["visits"]))
+            rows.append(row(i, "tree_hard", float(right[id(tree)][n["node_id"]]), n["visits"]))
             stats["tree_steps"] += 1
         tail = range(len(path), len(own))
         ok = correct.get(tid)
@@ -131,7 +135,7 @@ def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str
     ...  for p in tree_step_pairs(nodes, trajs, {"a": True, "b": False}, margin=0.5)]
     [('b', 0, '1+1=2\\n', 'a')]
     """
-    leaves = _leaves(_trees(nodes, correct, rollouts_valued=False))  # pairs read Q, not `right`
+    leaves = _leaves(_trees(nodes))
     by_id = {t["trajectory_id"]: t for t in trajectories if t["trajectory_id"] in leaves}
     right_in: dict[int, list[str]] = defaultdict(list)  # id(tree) -> its right trajectories
     for tid in sorted(by_id):
@@ -142,7 +146,8 @@ def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str
         if correct.get(wrong) is not False:
             continue
         tree, w_node = leaves[wrong]
-        w_path = [n["node_id"] for n in tree.path(w_node)]
+        w_nodes = tree.path(w_node)
+        w_path = [n["node_id"] for n in w_nodes]
         best = None
         for right in right_in[id(tree)]:
             r_path = [n["node_id"] for n in tree.path(leaves[right][1])]
@@ -158,7 +163,7 @@ def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str
         if best is None:
             continue
         _, right, shared, a, b = best
-        prefix = "".join(n["step_text"] for n in tree.path(w_node)[:shared])
+        prefix = "".join(n["step_text"] for n in w_nodes[:shared])
         chosen, rejected = by_id[right]["completion"], by_id[wrong]["completion"]
         if not (chosen.startswith(prefix) and rejected.startswith(prefix)):
             raise ValueError(f"tree_step_pairs: {wrong} or {right} does not start with its tree path's steps")
