@@ -18,11 +18,13 @@ what is measured is the engine, not the answers.
 
 Timings are wall clock after each engine's start (reported apart).
 
-3. On a CUDA machine only: decode throughput against the HBM roofline. A ~190M-parameter stand-in in
-   bf16 decodes `--roofline-tokens` tokens for each of `--roofline-batch` sequences (EOS ignored), with
-   vLLM where it is installed, else HF `generate`; the roofline is batch x bandwidth / model bytes
-   (`--hbm-tb-s`, 3.0 measured on an H100), the bound of a decode step that reads every weight once.
-   This part has not run yet: no GPU was available where it was written.
+3. On a CUDA machine only: decode throughput against the HBM roofline. A bf16 stand-in (`--roofline-size`:
+   190M or 1.1B parameters) decodes `--roofline-tokens` tokens for each of `--roofline-batch` sequences (EOS
+   ignored), with vLLM where it is installed, else HF `generate` (eager, then with a compiled static cache) and
+   the bare forward loop; the roofline is batch x bandwidth / model bytes (`--hbm-tb-s`: 3.0 for an H100, 4.2
+   measured on an H200), the bound of a decode step that reads every weight once. On an image without vLLM:
+
+       python3 benchmarks/generation.py --gpu-only --hbm-tb-s 4.24 --roofline-size 1b
 """
 
 from __future__ import annotations
@@ -51,15 +53,31 @@ def _timed(backend, prompts: list[str], **kw) -> dict[str, float]:
     return {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
 
 
-def gpu_roofline(work: Path, texts: list[str], batch: int, new_tokens: int, hbm_tb_s: float) -> dict:
-    """Decode tokens/s of a ~190M-parameter bf16 stand-in at `batch` sequences, against the HBM roofline."""
+STANDINS = {"190m": dict(hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=8, intermediate_size=2816),
+            "1b": dict(hidden_size=2048, num_layers=24, num_heads=16, num_kv_heads=8, intermediate_size=5632)}
+
+
+def gpu_roofline(work: Path, texts: list[str], batch: int, new_tokens: int, hbm_tb_s: float,
+                 size: str = "190m") -> list[dict]:
+    """Decode tokens/s of a bf16 stand-in (`STANDINS[size]`) at `batch` sequences, against the HBM roofline, one
+    row per engine: vLLM where it is installed; else HF `generate` as the hf backend runs it (dynamic cache),
+    the model's own KV-cached forward in a Python loop (what generate's loop costs on top), and `generate` with
+    a static cache, which transformers compiles into CUDA graphs (its first call, the compile, is left out)."""
     import torch
 
     from components.models.standin import build_standin, param_count
 
-    model = str(build_standin(work / "standin-gpu", texts, seed=0, hidden_size=1024, num_layers=16, num_heads=16,
-                              num_kv_heads=8, intermediate_size=2816, max_position_embeddings=2048))
+    model = str(build_standin(work / f"standin-gpu-{size}", texts, seed=0, max_position_embeddings=2048,
+                              **STANDINS[size]))
     params = param_count(model)
+    roofline = batch * hbm_tb_s * 1e12 / (2 * params)  # bf16: 2 bytes a parameter, all read once per step
+    rows = []
+
+    def row(engine: str, tokens: int, seconds: float) -> None:
+        rows.append({"engine": engine, "gpu": torch.cuda.get_device_name(), "parameters": params, "batch": batch,
+                     "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                     "roofline_tokens_per_s": roofline, "share_of_roofline": tokens / seconds / roofline})
+
     prompts = ["1+2-3+4\n"] * batch
     try:
         from vllm import LLM, SamplingParams
@@ -69,29 +87,43 @@ def gpu_roofline(work: Path, texts: list[str], batch: int, new_tokens: int, hbm_
         llm.generate(prompts[:8], sp, use_tqdm=False)  # warm-up
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        dt, engine = time.perf_counter() - t, "vllm"
-        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        row("vllm", sum(len(c.token_ids) for o in outs for c in o.outputs), time.perf_counter() - t)
+        return rows
     except ImportError:  # a GPU image with torch and transformers only
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        pass
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model)
-        tok.padding_side = "left"
-        lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
-        enc = tok(prompts, return_tensors="pt", padding=True).to("cuda")
-        kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.8,
-                  pad_token_id=tok.pad_token_id)
-        with torch.inference_mode():
-            lm.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = lm.generate(**enc, **kw)
-            torch.cuda.synchronize()
-        dt, engine = time.perf_counter() - t, "hf generate"
-        tokens = (out.shape[1] - enc["input_ids"].shape[1]) * batch
-    roofline = batch * hbm_tb_s * 1e12 / (2 * params)  # bf16: 2 bytes a parameter, all read once per step
-    return {"engine": engine, "gpu": torch.cuda.get_device_name(), "parameters": params, "batch": batch,
-            "tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "roofline_tokens_per_s": roofline,
-            "share_of_roofline": tokens / dt / roofline}
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.padding_side = "left"
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).cuda().eval()
+    enc = tok(prompts, return_tensors="pt", padding=True).to("cuda")
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=0.8,
+              pad_token_id=tok.pad_token_id)
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        lm.generate(**enc, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+        row("hf generate", batch * new_tokens, timed(lambda: lm.generate(**enc, **kw)))
+
+        def loop() -> None:
+            out = lm(enc["input_ids"], attention_mask=enc["attention_mask"], use_cache=True)
+            for _ in range(new_tokens - 1):
+                nxt = torch.multinomial(torch.softmax(out.logits[:, -1].float() / 0.8, -1), 1)
+                out = lm(nxt, past_key_values=out.past_key_values, use_cache=True)
+
+        loop()
+        row("forward loop", batch * new_tokens, timed(loop))
+        static = lambda: lm.generate(**enc, **kw, cache_implementation="static")  # noqa: E731
+        compile_s = timed(static)
+        row("hf generate, static cache", batch * new_tokens, timed(static))
+        rows[-1]["compile_seconds"] = compile_s
+    return rows
 
 
 def main() -> None:
@@ -105,12 +137,26 @@ def main() -> None:
     ap.add_argument("--roofline-batch", type=int, default=256, help="GPU only: sequences decoded at once")
     ap.add_argument("--roofline-tokens", type=int, default=256, help="GPU only: tokens decoded per sequence")
     ap.add_argument("--hbm-tb-s", type=float, default=3.0, help="GPU only: HBM bandwidth, TB/s")
+    ap.add_argument("--roofline-size", choices=sorted(STANDINS), default="190m", help="GPU only: the stand-in")
+    ap.add_argument("--gpu-only", action="store_true", help="the roofline alone (a GPU image without vLLM)")
     ap.add_argument("--out", type=Path, help="also write the figures as JSON")
     args = ap.parse_args()
 
     import torch
 
     from components.domains import get_domain
+
+    if args.gpu_only:
+        from components.models.standin import domain_texts
+
+        texts = list(domain_texts(get_domain("arith"), n_per_level=300, seed=0))
+        rows = gpu_roofline(Path(tempfile.mkdtemp(prefix="coevo-bench-gpu-")), texts, args.roofline_batch,
+                            args.roofline_tokens, args.hbm_tb_s, args.roofline_size)
+        _print_gpu(rows)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"gpu": rows, "settings": {**vars(args), "out": str(args.out)}}, indent=1))
+        return
     from components.labeling import mc_step_labels
     from components.models.backends import HFBackend
     from components.models.prompts import PromptFormat
@@ -197,18 +243,25 @@ def main() -> None:
         ratios["server_over_hf"] = tp["openai_vllm_serve"]["tokens_per_s"] / tp["hf"]["tokens_per_s"]
         ratios["server_over_vllm"] = tp["openai_vllm_serve"]["tokens_per_s"] / tp["vllm"]["tokens_per_s"]
     res["ratios"] = ratios
-    res["gpu"] = (gpu_roofline(work, texts, args.roofline_batch, args.roofline_tokens, args.hbm_tb_s)
-                  if torch.cuda.is_available() else "not measured: no GPU here")
+    res["gpu"] = (gpu_roofline(work, texts, args.roofline_batch, args.roofline_tokens, args.hbm_tb_s,
+                               args.roofline_size) if torch.cuda.is_available() else "not measured: no GPU here")
     print("\nratios, measured side by side in this run:")
     for k, v in ratios.items():
         print(f"  {k:36s} {v:6.2f}")
-    g = res["gpu"]
-    print(f"GPU roofline: {g}" if isinstance(g, str) else
-          f"GPU roofline ({g['gpu']}, {g['engine']}, {g['parameters']:,} parameters bf16, batch {g['batch']}): "
-          f"{g['tokens_per_s']:.0f} tokens/s = {g['share_of_roofline']:.1%} of {g['roofline_tokens_per_s']:.0f}")
+    if isinstance(res["gpu"], str):
+        print(f"GPU roofline: {res['gpu']}")
+    else:
+        _print_gpu(res["gpu"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
+
+
+def _print_gpu(rows: list[dict]) -> None:
+    for g in rows:
+        print(f"GPU roofline ({g['gpu']}, {g['engine']}, {g['parameters']:,} parameters bf16, batch {g['batch']}): "
+              f"{g['tokens_per_s']:.0f} tokens/s = {g['share_of_roofline']:.1%} of {g['roofline_tokens_per_s']:.0f}",
+              flush=True)
 
 
 if __name__ == "__main__":  # vLLM's engine starts worker processes: the guard keeps them from re-running this
