@@ -127,18 +127,27 @@ class MCTSSection(_Section):
                                 "last step; round 1, with no PRM yet, uses rollouts).")
     rollouts: int = Field(2, ge=0, description="Completions per valued prefix.")
 
+    _at: ClassVar[str] = "generate.mcts"  # where the section sits, for its errors
+
     @model_validator(mode="after")
     def _sources(self) -> MCTSSection:
         one = self.expansions * self.max_step_tokens
         if self.token_budget is not None and self.token_budget < one:
-            raise ValueError(f"generate.mcts.token_budget ({self.token_budget}) is less than one expansion "
+            raise ValueError(f"{self._at}.token_budget ({self.token_budget}) is less than one expansion "
                              f"(expansions x max_step_tokens = {self.expansions} x {self.max_step_tokens} = {one}): "
                              "raise it, or set it to null")
         if self.rollouts < 1:
             why = ("round 1 has no PRM yet" if self.value == "prm" else "value=rollouts")
-            raise ValueError(f"generate.mcts has no value source: {why} and rollouts=0; set generate.mcts.rollouts "
-                             ">= 1")
+            raise ValueError(f"{self._at} has no value source: {why} and rollouts=0; set {self._at}.rollouts >= 1")
         return self
+
+
+class LabelSearchSection(MCTSSection):
+    """MCTS in score, for a round that did not sample by MCTS: each problem's tree starts from the round's own
+    solutions (each a path of steps, backed up with its verifier's reward), and the simulations draw K steps
+    beside theirs, valued by rollouts (or the previous PRM). The trees go to `nodes` with purpose 'label'."""
+
+    _at: ClassVar[str] = "score.tree.search"
 
 
 class GenerateConfig(_Section):
@@ -198,13 +207,23 @@ class VerifyConfig(_Section):
 
 
 class TreeLabelsSection(_Section):
-    """Step labels and step pairs from generate.mcts's trees (components/search/training.py): no rollouts beyond
-    the search's own."""
+    """Step labels and step pairs from an MCTS tree (components/search/training.py): generate.mcts's, with no
+    rollouts beyond the search's own, or one score grows around the round's solutions (`search`)."""
 
     pair_margin: float = Field(
         0.25, ge=0.0, le=1.0, description="filter.step_dpo_pairs: a wrong answer pairs with a right one of its tree "
                                           "where their paths part at siblings whose Q differs by at least this.")
     min_visits: int = Field(1, ge=1, description="Both siblings of a pair visited at least this many times.")
+    label_unsolved: bool = Field(
+        False, description="Label every step of an answer whose tree holds no known right solution (all bad). Off: "
+                           "only its final step, as first_error labels an answer it does not search; the policy "
+                           "could not finish from those steps, which does not make them wrong (on one micro round, "
+                           "62 of 158 such steps were right).")
+    search: LabelSearchSection | None = Field(
+        None, exclude_if=lambda v: v is None,  # unset, older experiments' config hashes stay as they were
+        description="Null: the trees are generate.mcts's. Otherwise, for a round that samples without MCTS, score "
+                    "grows one tree per problem from the round's solutions (their steps seeded as paths) with these "
+                    "MCTS settings, and labels from it.")
 
 
 class ScoreConfig(_Section):
@@ -249,8 +268,8 @@ class ScoreConfig(_Section):
     mc_max_new_tokens: int | None = Field(None, ge=1, description="Null: generate.max_new_tokens.")
     tree: TreeLabelsSection | None = Field(
         None, exclude_if=lambda v: v is None,
-        description="Where generate.mcts sampled the round, label each returned solution's steps from its tree: "
-                    "tree_soft is the node's Q, tree_hard is 1 where a right solution passed through the node "
+        description="Label each solution's steps from an MCTS tree (generate.mcts's, or one score grows: "
+                    "score.tree.search): tree_soft is the node's Q, tree_hard is 1 where a right solution passed through the node "
                     "(train_reward.label_source tree_soft or tree_hard trains the PRM on them); and with "
                     "filter.step_dpo_pairs, pair wrong answers with right ones that part at siblings (MCTS-DPO).")
     oracle_labels: bool = Field(
@@ -668,13 +687,18 @@ class ExperimentConfig(_Section):
         tree_labels = self.train_reward.label_source.startswith("tree_")
         if self.train_reward.enabled and not tree_labels and self.score.mc_rollouts < 1:
             raise ValueError(f"train_reward.label_source={self.train_reward.label_source} needs Monte Carlo step "
-                             "labels to train on: set score.mc_rollouts >= 1 (or, with generate.mcts, score.tree "
-                             "and label_source tree_hard or tree_soft)")
+                             "labels to train on: set score.mc_rollouts >= 1 (or score.tree, with generate.mcts or "
+                             "score.tree.search, and label_source tree_hard or tree_soft)")
         if self.train_reward.enabled and tree_labels and self.score.tree is None:
             raise ValueError(f"train_reward.label_source={self.train_reward.label_source} trains on the MCTS tree's "
-                             "labels: set score.tree (e.g. score.tree={pair_margin: 0.25}) with generate.mcts")
-        if self.score.tree is not None and self.generate.mcts is None:
-            raise ValueError("score.tree labels steps from generate.mcts's trees: set generate.mcts, or score.tree=null")
+                             "labels: set score.tree (e.g. score.tree={pair_margin: 0.25}) with generate.mcts, or "
+                             "with score.tree.search (e.g. {simulations: 8, rollouts: 2}) to grow it in score")
+        if self.score.tree is not None and self.generate.mcts is None and self.score.tree.search is None:
+            raise ValueError("score.tree labels steps from an MCTS tree: set generate.mcts (the round's own trees), or "
+                             "score.tree.search to grow one in score around the round's solutions, or score.tree=null")
+        if self.score.tree is not None and self.generate.mcts is not None and self.score.tree.search is not None:
+            raise ValueError("score.tree.search grows trees for a round that samples without MCTS; generate.mcts "
+                             "already grows this round's: set score.tree.search=null")
         if self.bootstrap.steps == 0 and self.policy.model is None:
             raise ValueError("bootstrap.steps=0 starts from a given model as it is: set policy.model to an HF name "
                              "or a local path, or bootstrap.steps > 0 to train a tiny model from scratch")
@@ -688,8 +712,8 @@ class ExperimentConfig(_Section):
         mc_pairs = self.score.mc_strategy == "first_error" and self.score.mc_rollouts >= 1
         if self.filter.step_dpo_pairs and not (mc_pairs or self.score.tree is not None):
             raise ValueError("filter.step_dpo_pairs takes its pairs from the Monte Carlo search or the MCTS tree: set "
-                             "score.mc_strategy=first_error and score.mc_rollouts >= 1, or score.tree with "
-                             "generate.mcts")
+                             "score.mc_strategy=first_error and score.mc_rollouts >= 1, or score.tree (with "
+                             "generate.mcts or score.tree.search)")
         if self.filter.step_dpo_pairs and self.train_policy.method == "sft":
             raise ValueError("filter.step_dpo_pairs selects pairs that only DPO trains on: set "
                              "train_policy.method=sft+dpo (or dpo)")
@@ -705,6 +729,10 @@ class ExperimentConfig(_Section):
         if self.generate.mcts is not None and self.generate.mcts.value == "prm" and not self.train_reward.enabled:
             raise ValueError("generate.mcts.value=prm values prefixes with the previous round's PRM: set "
                              "train_reward.enabled=true (recipe coevo), or generate.mcts.value=rollouts")
+        ts = self.score.tree.search if self.score.tree is not None else None
+        if ts is not None and ts.value == "prm" and not self.train_reward.enabled:
+            raise ValueError("score.tree.search.value=prm values prefixes with the previous round's PRM: set "
+                             "train_reward.enabled=true (recipe coevo), or score.tree.search.value=rollouts")
         if self.evaluate.search is not None and not self.train_reward.enabled:
             raise ValueError("evaluate.search guides beam search and MCTS with the round's PRM, which held-out "
                              "problems need (the verifier would read their answers): set train_reward.enabled=true "
@@ -735,6 +763,7 @@ class ExperimentConfig(_Section):
                        "train_reward.enabled": self.train_reward.enabled,
                        "generate.search": self.generate.search is not None,
                        "generate.mcts": self.generate.mcts is not None,
+                       "score.tree": self.score.tree is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
                        "train_policy.method": self.train_policy.method not in ("sft", "grpo"),

@@ -135,9 +135,7 @@ def generate_mcts(
     from components.search.mcts import MCTSConfig, node_rows
     from components.search.policy import mcts_sample
 
-    cfg = MCTSConfig(simulations=search.simulations, expansions=search.expansions, c_puct=search.c_puct,
-                     fpu=search.fpu, max_depth=search.max_depth,
-                     token_budget=None if search.token_budget is None else search.token_budget * len(problems))
+    cfg = MCTSConfig.of(search, len(problems))
 
     def report(sim: int, spent: int) -> None:
         if progress:

@@ -316,7 +316,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         _STAGE_RUN,
     ),
     _table(
-        # A search tree (generate.mcts), one row per node: the root is the problem (node 0, no step), every other
+        # A search tree (generate.mcts, or score.tree.search around a round's samples), one row per node: the root is the problem (node 0, no step), every other
         # node one step the policy drew. Q is the mean backed-up value (verifier's reward at terminal nodes, the
         # value source's elsewhere). A node the search returned names the trajectory it became: a terminal leaf,
         # or, where fewer leaves ended than generate asked for, a node completed by the rollout that valued it.
@@ -325,7 +325,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("node_id", INT, null=False),  # 0 is the root; ids grow in creation order
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),
-        col("purpose", STR, null=False),  # train (generate)
+        col("purpose", STR, null=False),  # train (generate.mcts) or label (score.tree.search)
         col("problem_id", STR, null=False),
         col("parent_id", INT),  # NULL at the root
         col("step_text", STR, null=False),  # this node's step; '' at the root
@@ -337,7 +337,9 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("terminal", BOOL, null=False),  # ends the solution: the answer line, EOS, or the step cap
         col("reward", FLOAT),  # the verifier's, at a terminal node
         col("tokens", INT, null=False),  # generated for this step, its duplicate draws included
-        col("trajectory_id", STR),  # what it became: a returned terminal leaf, or a node its rollout completed
+        # What it became: a returned terminal leaf, or a node its rollout completed; in score's trees, the leaf of a
+        # sample (the first by id, where samples repeat)
+        col("trajectory_id", STR),
         _STAGE_RUN,
     ),
     _table(

@@ -39,7 +39,7 @@ def check(cfg) -> None:
         raise ValueError(f"{where}: the clipped ratio divides by the sampler's probabilities, which top_p "
                          f"truncates: set generate.top_p=1.0 (got {cfg.generate.top_p})")
     bad = {"train_reward.enabled": cfg.train_reward.enabled, "generate.search": cfg.generate.search is not None,
-           "generate.mcts": cfg.generate.mcts is not None,
+           "generate.mcts": cfg.generate.mcts is not None, "score.tree": cfg.score.tree is not None,
            "generate.until_correct": cfg.generate.until_correct is not None,
            "filter.dpo_pairs": cfg.filter.dpo_pairs, "filter.step_dpo_pairs": cfg.filter.step_dpo_pairs,
            "train_policy.processes": tp.processes > 1}

@@ -16,8 +16,14 @@ A node is one step; the root is the problem. Each simulation, for every tree sti
 4. **Back up** each child's value along its path: visits + 1 and the value added on every node to the root.
 
 A terminal leaf selected again backs up its reward once more (its Q is exact, so visits pile up where the
-search believes). The budget counts generated tokens, the expansions' and whatever the value source reports,
-as every other sampler does, so searches compare with plain sampling at equal tokens.
+search believes).
+
+A tree can start from solutions drawn outside the search (`Tree.seed`: score grows trees around a round's
+samples this way). Each is a path of unexpanded nodes, backed up once with its verifier's reward; a simulation that
+selects such a node draws K candidate steps there, merged with the seeded ones by their text. The budget counts generated tokens, the expansions' and whatever the value source reports,
+as every other sampler does, so searches compare with plain sampling at equal tokens. A simulation expands only
+as many leaves as the budget left pays for at the mean cost of a leaf so far (the trees that have spent least
+first), so a search stops within about one leaf's cost of its budget, not a whole simulation's.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Node:
     visits: int = 0
     value_sum: float = 0.0
     children: list[int] = field(default_factory=list)
+    expanded: bool = False  # K steps were drawn here; a seeded node has children but was never expanded
 
     @property
     def q(self) -> float | None:
@@ -78,6 +85,13 @@ class MCTSConfig:
             raise ValueError(f"mcts.c_puct must be >= 0, got {self.c_puct}")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"mcts.token_budget must be >= 1 (or null), got {self.token_budget}")
+
+    @classmethod
+    def of(cls, section: Any, problems: int) -> MCTSConfig:
+        """From a config's MCTS section (generate.mcts, score.tree.search), whose token budget is per problem."""
+        budget = None if section.token_budget is None else section.token_budget * problems
+        return cls(simulations=section.simulations, expansions=section.expansions, c_puct=section.c_puct,
+                   fpu=section.fpu, max_depth=section.max_depth, token_budget=budget)
 
 
 class Tree:
@@ -108,15 +122,66 @@ class Tree:
         parent.children.append(node.node_id)
         return node
 
+    def seed(self, steps: list[str], reward: float) -> Node:
+        """Adds a whole solution drawn outside the search, `steps` as the policy wrote them (separator included),
+        as a path from the root, and backs its verifier's `reward` up along it: one simulation's worth. A step
+        joins the child of the same text (stripped) and the same ending, else it is a new child; priors are the
+        share of the solutions (and, once expanded, of the draws) through each child. Seeded nodes stay
+        unexpanded and cost no tokens of the search's. Returns the terminal leaf."""
+        if not steps:
+            raise ValueError(f"Tree.seed: a solution of {self.prompt!r} with no steps")
+        at = self.nodes[0]
+        for i, text in enumerate(steps):
+            last = i == len(steps) - 1
+            same = self._child(at, text, last)
+            if same is None:
+                at = self.add(at.node_id, Candidate(text, 0.0, 0, last), 0.0)
+            else:
+                same.draws += 1
+                at = same
+            self._reprior(at.parent_id)
+        at.reward = float(reward)
+        self.backup(at.node_id, at.reward)
+        return at
+
+    def expand(self, node_id: int, cands: list[Candidate]) -> list[Node]:
+        """Adds the K draws at `node_id` as its children and returns the new ones. Where seeded children are there
+        already, a draw of the same step joins its node (its draws and tokens added) and priors are recomputed
+        over all children from their draws."""
+        leaf = self.nodes[node_id]
+        leaf.expanded = True
+        if not leaf.children:
+            return [self.add(node_id, c, p) for c, p in zip(cands, _priors(cands))]
+        new = []
+        for c in cands:
+            same = self._child(leaf, c.text, c.terminal)
+            if same is None:
+                new.append(self.add(node_id, c, 0.0))
+            else:
+                same.draws += max(int(c.weight or 1), 1)
+                same.tokens += c.tokens
+        self._reprior(node_id)
+        return new
+
+    def _child(self, parent: Node, text: str, terminal: bool) -> Node | None:
+        return next((self.nodes[c] for c in parent.children
+                     if self.nodes[c].terminal == terminal and self.nodes[c].text.strip() == text.strip()), None)
+
+    def _reprior(self, node_id: int) -> None:
+        kids = [self.nodes[c] for c in self.nodes[node_id].children]
+        total = sum(k.draws for k in kids)
+        for k in kids:
+            k.prior = k.draws / total
+
     def backup(self, node_id: int, value: float) -> None:
         for n in self.path(node_id):
             n.visits += 1
             n.value_sum += value
 
     def select(self, cfg: MCTSConfig) -> Node:
-        """From the root down by PUCT to a node without children (a leaf or a terminal)."""
+        """From the root down by PUCT to a node not yet expanded (a leaf, a terminal, or a seeded node)."""
         node = self.nodes[0]
-        while node.children:
+        while node.children and node.expanded:
             sqrt_n = math.sqrt(max(node.visits, 1))
 
             def score(cid: int) -> tuple[float, int]:
@@ -164,16 +229,21 @@ def mcts_search(prompts: list[str],
                 expand: Callable[[list[tuple[str, str]], int], list[list[Candidate]]],
                 value: Callable[[list[tuple[str, str]]], tuple[list[float], int]],
                 reward: Callable[[str, str], float],
-                cfg: MCTSConfig, progress: Callable[[int, int], None] | None = None) -> tuple[list[Tree], int]:
+                cfg: MCTSConfig, progress: Callable[[int, int], None] | None = None,
+                trees: list[Tree] | None = None) -> tuple[list[Tree], int]:
     """Search each prompt's tree (module docstring); returns the trees and the tokens generated.
 
     `expand(pairs, k)` gets (prompt, prefix) pairs and returns k candidate steps for each; `value(pairs)`
     returns a value in [0, 1] for each prefix and the tokens it generated (0 for a PRM; rollouts' tokens);
     `reward(prompt, solution)` is the verifier's at a terminal node; `progress(simulation, tokens)`, where given,
-    is called after each simulation.
+    is called after each simulation. `trees`, where given, are the prompts' trees to search on (seeded ones, say).
     """
-    trees = [Tree(p) for p in prompts]
-    spent = 0
+    if trees is None:
+        trees = [Tree(p) for p in prompts]
+    elif [t.prompt for t in trees] != list(prompts):
+        raise ValueError("mcts: the trees given are not the prompts', in order")
+    spent = grown = 0  # tokens, and leaves expanded: their mean cost sizes the last simulation to the budget
+    cost = {id(t): 0 for t in trees}  # tokens per tree
     for sim in range(cfg.simulations):
         if cfg.token_budget is not None and spent >= cfg.token_budget:
             break
@@ -186,6 +256,13 @@ def mcts_search(prompts: list[str],
             if final(leaf):
                 t.backup(leaf.node_id, leaf.reward if leaf.terminal else leaf.q)
         grow = [(t, leaf) for t, leaf in leaves if not final(leaf)]
+        if cfg.token_budget is not None and grown and grow:  # expand only what the budget left pays for
+            room = int((cfg.token_budget - spent) // (spent / grown))
+            if room == 0:
+                break
+            if room < len(grow):  # the trees that have spent least so far, then in order
+                keep = sorted(range(len(grow)), key=lambda i: (cost[id(grow[i][0])], i))[:room]
+                grow = [grow[i] for i in sorted(keep)]
         if not grow:
             if progress:
                 progress(sim + 1, spent)
@@ -195,17 +272,24 @@ def mcts_search(prompts: list[str],
             raise ValueError(f"mcts: expand returned {len(proposals)} lists of candidates for {len(grow)} leaves")
         new: list[tuple[Tree, Node]] = []
         for (t, leaf), cands in zip(grow, proposals):
+            if not cands and leaf.children:  # a seeded node drew nothing new: its seeded steps stay
+                leaf.expanded = True
+                continue
             if not cands:  # the policy ended the solution here: a terminal, for the verifier to judge
                 leaf.terminal = True
                 new.append((t, leaf))
                 continue
             spent += sum(c.tokens for c in cands)
-            new += [(t, t.add(leaf.node_id, c, p)) for c, p in zip(cands, _priors(cands))]
+            cost[id(t)] += sum(c.tokens for c in cands)
+            new += [(t, n) for n in t.expand(leaf.node_id, cands)]
+        grown += len(grow)
         open_ = [(t, n) for t, n in new if not n.terminal]
         values, rollout_tokens = value([(t.prompt, t.prefix(n.node_id)) for t, n in open_]) if open_ else ([], 0)
         if len(values) != len(open_):
             raise ValueError(f"mcts: value returned {len(values)} values for {len(open_)} prefixes")
         spent += rollout_tokens
+        for t, _ in open_:  # the rollouts' tokens, shared out over the prefixes they valued
+            cost[id(t)] += rollout_tokens / len(open_)
         for (t, n), v in zip(open_, values):
             if not 0.0 <= v <= 1.0 or math.isnan(v):
                 raise ValueError(f"mcts: value {v!r} for a prefix of {t.prompt!r} is outside [0, 1]")

@@ -102,10 +102,12 @@ def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Probl
                 value: Callable[[list[tuple[str, str]]], tuple[list[float], int]] | None = None,
                 progress: Callable[[int, int], None] | None = None,
                 completions: dict[tuple[str, str], tuple[Sample, float]] | None = None,
+                trees: list[Tree] | None = None,
                 ) -> tuple[list[Tree], list[Sample], dict[str, Any]]:
     """One tree per problem; each problem's answer is its tree's best leaf (`Tree.best_leaf`), as a Sample whose
     tokens are the whole search's for that tree. `value` (a PRM's, say) replaces the rollouts; `completions`
-    collects the rollouts' best per prefix (`rollout_value`)."""
+    collects the rollouts' best per prefix (`rollout_value`); `trees`, where given, are the problems' trees to
+    search on (seeded with solutions already drawn: `Tree.seed`)."""
     answers = {p.prompt: p.answer for p in problems}
     if len(answers) != len(problems):
         raise ValueError("mcts_sample: two problems share a prompt; search each prompt once")
@@ -118,7 +120,7 @@ def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Probl
     def reward(prompt: str, solution: str) -> float:
         return float(domain.verify([solution], [answers[prompt]])[0] or 0.0)
 
-    trees, spent = mcts_search([p.prompt for p in problems], expand, value, reward, cfg, progress)
+    trees, spent = mcts_search([p.prompt for p in problems], expand, value, reward, cfg, progress, trees)
     samples = []
     for t in trees:
         leaf = t.best_leaf()

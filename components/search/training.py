@@ -4,6 +4,10 @@ preference pairs from sibling nodes, for the PRM and for DPO, with no rollouts b
     labels, stats = tree_step_labels(nodes, trajectories, steps, correct, rollouts_valued=True)
     pairs = tree_step_pairs(nodes, trajectories, correct, margin=0.25)
 
+    # a round that sampled without MCTS: score grows the trees around its solutions
+    nodes, placed, counts = grow_label_trees(domain, backend, problems, trajectories, steps, correct, search, ...)
+    labels, stats = tree_step_labels(nodes, trajectories, steps, correct, rollouts_valued=True, placed=placed)
+
 A trajectory the search returned names its node (`nodes.trajectory_id`): a terminal leaf, whose path is the whole
 solution, or a node one of its rollouts completed, whose path is the solution's first steps. Each path step is
 one node, so its labels are the node's:
@@ -13,6 +17,16 @@ one node, so its labels are the node's:
 - `tree_hard`: 1 where a right solution is known to pass through the node (a right terminal leaf below it, a
   right trajectory through it, or, where rollouts valued the tree, a rollout from it or below that reached the
   answer), else 0: Math-Shepherd's hard estimate, over what the search drew.
+
+For a round that did not sample by MCTS, `grow_label_trees` grows the trees in score: each problem's starts from
+the round's solutions, their steps seeded as paths and each backed up with its verifier's reward, and the
+simulations draw K steps beside theirs (`Tree.seed`). Every solution is then a path of the tree, ending at its own
+terminal leaf; `placed` says which (the `nodes` rows name one trajectory per node, and duplicates share one).
+
+In a tree where no right solution is known at all (its root is not right), every step would be labelled bad,
+though many are right: the policy could not finish from them, which is not an error in them. Such an answer gets
+only its final step labelled (bad), as first_error labels an answer it does not search; `label_unsolved` labels
+them all.
 
 A rollout's own steps (after the node it completed) are labelled as `score.mc_strategy=first_error` labels a
 trajectory it did not search: each step of a right one good, only the final step of a wrong one bad.
@@ -34,6 +48,7 @@ class _Tree:
 
     def __init__(self, rows: list[dict[str, Any]]):
         self.nodes = {r["node_id"]: r for r in rows}
+        self.root = next(r["node_id"] for r in rows if r["parent_id"] is None)
         self.children: dict[int, list[int]] = defaultdict(list)
         for r in rows:
             if r["parent_id"] is not None:
@@ -68,25 +83,83 @@ def _trees(nodes: Iterable[dict[str, Any]]) -> dict[str, _Tree]:
     return {tid: _Tree(rows) for tid, rows in by_tree.items()}
 
 
-def _leaves(trees: dict[str, _Tree]) -> dict[str, tuple[_Tree, int]]:
-    """trajectory id -> (its tree, the node it became)."""
+def _leaves(trees: dict[str, _Tree], placed: dict[str, tuple[str, int]] | None) -> dict[str, tuple[_Tree, int]]:
+    """trajectory id -> (its tree, the node it became): `placed`'s (tree id, node id) where given, else the nodes
+    that name a trajectory."""
+    if placed is not None:
+        return {tid: (trees[tree_id], nid) for tid, (tree_id, nid) in placed.items() if tree_id in trees}
     return {n["trajectory_id"]: (t, nid) for t in trees.values() for nid, n in t.nodes.items()
             if n["trajectory_id"] is not None}
 
 
+def grow_label_trees(domain: Any, backend: Any, problems: dict[str, Any], trajectories: list[dict[str, Any]],
+                     steps: dict[str, list[str]], correct: dict[str, bool | None], search: Any, *, experiment: str,
+                     round: int, seed: int, temperature: float, top_p: float, max_new_tokens: int,
+                     value: Any = None, progress: Any = None,
+                     ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, int]], dict[str, float]]:
+    """score.tree.search (`search`: its section): one tree per prompt, seeded with the round's solutions to it in
+    trajectory id order (each solution's `steps` a path, its verifier's reward backed up once), then searched with
+    the policy's `backend` for the section's simulations and budget, K steps drawn beside the seeded ones, valued
+    by rollouts or by `value` (a PRM's). `problems` maps problem id to Problem. Returns the trees as `nodes` rows
+    (purpose 'label'; a node names the first trajectory that ended there), `placed` (trajectory id -> tree id and
+    node id of its terminal leaf) and the search's counts."""
+    from components.generation import search_tree_id
+    from components.search.mcts import MCTSConfig, Tree, node_rows
+    from components.search.policy import mcts_sample
+
+    sep = domain.step_separator
+    seeds: dict[str, list[tuple[str, list[str]]]] = {}  # prompt -> [(trajectory id, its steps)]
+    owner: dict[str, Any] = {}  # prompt -> the problem its tree is filed under: the lowest id of that prompt
+    for t in sorted(trajectories, key=lambda t: t["trajectory_id"]):
+        own = steps.get(t["trajectory_id"])
+        if not own:
+            continue
+        p = problems[t["problem_id"]]
+        seeds.setdefault(p.prompt, []).append((t["trajectory_id"], [s + sep for s in own]))
+        if p.prompt not in owner or p.problem_id < owner[p.prompt].problem_id:
+            owner[p.prompt] = p
+    todo = [owner[prompt] for prompt in sorted(seeds)]
+    trees, leaf_of = [], {}
+    for p in todo:
+        tree = Tree(p.prompt)
+        for tid, path in seeds[p.prompt]:
+            leaf_of[tid] = (p, tree.seed(path, 1.0 if correct.get(tid) is True else 0.0).node_id)
+        trees.append(tree)
+    if not trees:
+        return [], {}, {"trees": 0, "seeded": 0, "generated_tokens": 0, "backend_calls": 0, "nodes": 0}
+    seeded = sum(len(t.nodes) - 1 for t in trees)
+    trees, _, stats = mcts_sample(domain, backend, todo, MCTSConfig.of(search, len(todo)), temperature=temperature,
+                                  top_p=top_p, max_step_tokens=search.max_step_tokens, max_new_tokens=max_new_tokens,
+                                  seed=seed, rollouts=search.rollouts, value=value, progress=progress, trees=trees)
+    tree_ids = {p.problem_id: search_tree_id(experiment, round, "label", p.problem_id) for p in todo}
+    placed = {tid: (tree_ids[p.problem_id], nid) for tid, (p, nid) in leaf_of.items()}
+    names: dict[tuple[str, int], str] = {}
+    for tid in sorted(placed):
+        names.setdefault(placed[tid], tid)
+    rows = [{"tree_id": tree_ids[p.problem_id], "experiment_id": experiment, "round": round, "purpose": "label",
+             "problem_id": p.problem_id} | row | {"trajectory_id": names.get((tree_ids[p.problem_id], row["node_id"]))}
+            for p, tree in zip(todo, trees, strict=True) for row in node_rows(tree)]
+    counts = {"trees": len(trees), "seeded": seeded, "generated_tokens": stats["generated_tokens"],
+              "backend_calls": stats["backend_calls"], "nodes": stats["nodes"]}
+    return rows, placed, counts
+
+
 def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str, Any]],
-                     steps: dict[str, list[str]], correct: dict[str, bool | None], *,
-                     rollouts_valued: bool) -> tuple[list[dict[str, Any]], dict[str, int]]:
+                     steps: dict[str, list[str]], correct: dict[str, bool | None], *, rollouts_valued: bool,
+                     placed: dict[str, tuple[str, int]] | None = None, label_unsolved: bool = False,
+                     ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """`step_labels` rows (sources tree_soft and tree_hard; see the module docstring) for every trajectory the
     trees returned, and counts: `labelled_trajectories`, `tree_steps` (labelled from nodes), `rollout_steps`
-    (from a rollout's outcome) and `misaligned` (a trajectory whose stored steps are not its path's: left
-    unlabelled). `steps` maps a trajectory to its `domain.split_steps` texts; `rollouts_valued` says whether
-    rollouts, not a PRM, valued the open nodes."""
+    (from a rollout's outcome), `misaligned` (a trajectory whose stored steps are not its path's: left
+    unlabelled) and `unsolved` (an answer in a tree with no right solution known: its final step alone labelled,
+    unless `label_unsolved`). `steps` maps a trajectory to its `domain.split_steps` texts; `rollouts_valued` says whether
+    rollouts, not a PRM, valued the open nodes; `placed`, where given, is where each trajectory ended
+    (`grow_label_trees`)."""
     trees = _trees(nodes)
     right = {id(t): t.right(correct, rollouts_valued) for t in trees.values()}
-    leaves = _leaves(trees)
+    leaves = _leaves(trees, placed)
     rows: list[dict[str, Any]] = []
-    stats = {"labelled_trajectories": 0, "tree_steps": 0, "rollout_steps": 0, "misaligned": 0}
+    stats = {"labelled_trajectories": 0, "tree_steps": 0, "rollout_steps": 0, "misaligned": 0, "unsolved": 0}
     for traj in sorted(trajectories, key=lambda t: t["trajectory_id"]):
         tid = traj["trajectory_id"]
         if tid not in leaves:
@@ -101,6 +174,12 @@ def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[st
 
         def row(i: int, source: str, value: float, rollouts: int) -> dict[str, Any]:
             return {"trajectory_id": tid, "step_index": i, "source": source, "value": value, "num_rollouts": rollouts}
+
+        if not right[id(tree)][tree.root] and not label_unsolved:  # dead ends for this policy, not known errors
+            stats["unsolved"] += 1
+            if own and correct.get(tid) is False:
+                rows += [row(len(own) - 1, "tree_hard", 0.0, 1), row(len(own) - 1, "tree_soft", 0.0, 1)]
+            continue
 
         for i, n in enumerate(path):
             if n["visits"]:
@@ -119,7 +198,8 @@ def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[st
 
 
 def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str, Any]],
-                    correct: dict[str, bool | None], *, margin: float, min_visits: int = 1) -> list[dict[str, Any]]:
+                    correct: dict[str, bool | None], *, margin: float, min_visits: int = 1,
+                    placed: dict[str, tuple[str, int]] | None = None) -> list[dict[str, Any]]:
     """`step_pairs` rows (source `tree`): for each wrong trajectory, the right trajectory of its tree whose path
     parts from its own at siblings with Q apart by at least `margin` (each visited `min_visits` times): the
     widest gap, then the longest shared prefix, then the lower trajectory id. Where one path contains the other
@@ -135,7 +215,7 @@ def tree_step_pairs(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str
     ...  for p in tree_step_pairs(nodes, trajs, {"a": True, "b": False}, margin=0.5)]
     [('b', 0, '1+1=2\\n', 'a')]
     """
-    leaves = _leaves(_trees(nodes))
+    leaves = _leaves(_trees(nodes), placed)
     by_id = {t["trajectory_id"]: t for t in trajectories if t["trajectory_id"] in leaves}
     right_in: dict[int, list[str]] = defaultdict(list)  # id(tree) -> its right trajectories
     for tid in sorted(by_id):

@@ -24,6 +24,7 @@ class Inputs:
     reward_model_id: str | None = None
     reference_uri: str | None = None  # the implicit PRM's reference
     tree_values: str | None = None  # score.tree: what valued the MCTS tree's open nodes, rollouts or prm
+    tree_prm_uri: str | None = None  # score.tree.search with value=prm: the previous round's PRM, where one exists
 
 
 def plan(p: Planner) -> Inputs:
@@ -43,9 +44,12 @@ def plan(p: Planner) -> Inputs:
             inputs = Inputs(policy["uri"], policy["model_id"], rm, trained["uri"], trained["model_id"])
     elif rm != "none" and rm not in REWARD_MODELS:  # a user's reward model by dotted path: nothing to train
         inputs = Inputs(policy["uri"], policy["model_id"], rm, None, rm)
-    if cfg.score.tree is not None:  # as generate planned it: the previous PRM where value=prm and one exists
-        prm = cfg.generate.mcts.value == "prm" and p.optional_model(p.round - 1, "prm")
+    if cfg.score.tree is not None:  # as generate plans it: the previous PRM where value=prm and one exists
+        search = cfg.score.tree.search or cfg.generate.mcts
+        prm = search.value == "prm" and p.optional_model(p.round - 1, "prm")
         inputs.tree_values = "prm" if prm else "rollouts"
+        if prm and cfg.score.tree.search is not None:
+            inputs.tree_prm_uri = prm["uri"]
     return inputs
 
 
@@ -102,9 +106,21 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics |= backend_metrics(backend)
         log("score", f"{stats['rollouts']} rollouts from {stats['unique_prefixes']} distinct prefixes, "
                      f"{stats['generated_tokens']} tokens")
+    nodes: list[dict[str, Any]] = []  # the trees score grows (score.tree.search)
     if sc.tree is not None:
-        tree_pairs = _tree_data(spec, trajs, steps, {v["trajectory_id"]: v["correct"] for v in vers},
-                                labels, metrics, rollouts_valued=inp.tree_values == "rollouts")
+        correct = {v["trajectory_id"]: v["correct"] for v in vers}
+        placed = None
+        if sc.tree.search is not None:
+            nodes, placed = _grow_trees(spec, inp, trajs, steps, correct, problems, metrics)
+            tree = nodes
+        else:
+            mine = {x["problem_id"] for x in trajs}  # this shard's
+            tree = [n for n in spec.rows("generate", "nodes") if n["problem_id"] in mine]
+            if not tree:
+                raise RuntimeError(f"{spec.stage_run_id}: score.tree labels from generate.mcts's trees, but generate "
+                                   "wrote no `nodes` this round")
+        tree_pairs = _tree_data(spec, tree, placed, trajs, steps, correct, labels, metrics,
+                                rollouts_valued=inp.tree_values == "rollouts")
         searched = {p["trajectory_id"] for p in pairs}  # a wrong answer keeps the Monte Carlo search's pair
         pairs += [p for p in tree_pairs if p["trajectory_id"] not in searched]
         metrics["step_pairs"] = len(pairs)
@@ -116,29 +132,61 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         rows += reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
                               reference_uri=inp.reference_uri)
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
-    write(out, scores=rows, step_labels=labels, step_pairs=pairs)
+    write(out, scores=rows, step_labels=labels, step_pairs=pairs, nodes=nodes)
     return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None)
 
 
-def _tree_data(spec: StageSpec, trajs: list[dict[str, Any]], steps: dict[str, list[str]],
-               correct: dict[str, bool | None], labels: list[dict[str, Any]], metrics: dict[str, float], *,
-               rollouts_valued: bool) -> list[dict[str, Any]]:
+def _grow_trees(spec: StageSpec, inp: Inputs, trajs: list[dict[str, Any]], steps: dict[str, list[str]],
+                correct: dict[str, bool | None], problems: dict[str, Any], metrics: dict[str, float],
+                ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, int]]]:
+    """score.tree.search: a tree per problem, grown from the round's solutions with the policy that sampled them."""
+    from components.search.policy import prm_value
+    from components.search.training import grow_label_trees
+    from components.stages.base import reward_model_of
+
+    cfg, domain = spec.cfg(), domain_of(spec)
+    m = cfg.score.tree.search
+    value = None
+    if inp.tree_prm_uri:
+        value = prm_value(domain, reward_model_of(spec, "prm", inp.tree_prm_uri).score_steps)
+    source = "the previous PRM" if value else f"{m.rollouts} rollouts per prefix"
+    budget = f", {m.token_budget} tokens per problem" if m.token_budget else ""
+    log("score", f"MCTS from the round's solutions: {m.simulations} simulations, {m.expansions} draws per "
+                 f"expansion, c_puct {m.c_puct}, values from {source}{budget}")
+    t0 = time.perf_counter()
+    backend = backend_of(spec, inp.policy_uri)
+    if hasattr(backend, "progress"):
+        backend.progress = False  # its per-call counts would interleave with the simulations', which say more
+    nodes, placed, counts = grow_label_trees(
+        domain, backend, problems, trajs, steps, correct, m, experiment=spec.experiment, round=spec.round,
+        seed=derive_seed(spec.seed, spec.round, "score.tree"), temperature=cfg.generate.temperature,
+        top_p=cfg.generate.top_p, max_new_tokens=cfg.score.mc_max_new_tokens or cfg.generate.max_new_tokens,
+        value=value, progress=lambda sim, spent: log("score", f"simulation {sim}/{m.simulations}: {spent} tokens"))
+    metrics |= {f"tree_search_{k}": float(v) for k, v in counts.items()}
+    metrics["tree_search_seconds"] = time.perf_counter() - t0
+    log("score", f"{counts['trees']} trees from {len(placed)} solutions ({counts['seeded']} seeded nodes), grown to "
+                 f"{counts['nodes']} nodes with {counts['generated_tokens']} tokens in "
+                 f"{metrics['tree_search_seconds']:.1f}s")
+    return nodes, placed
+
+
+def _tree_data(spec: StageSpec, nodes: list[dict[str, Any]], placed: dict[str, tuple[str, int]] | None,
+               trajs: list[dict[str, Any]], steps: dict[str, list[str]], correct: dict[str, bool | None],
+               labels: list[dict[str, Any]], metrics: dict[str, float], *, rollouts_valued: bool,
+               ) -> list[dict[str, Any]]:
     """score.tree: labels from the round's MCTS trees (added to `labels`) and the step pairs they give."""
     from components.search.training import tree_step_labels, tree_step_pairs
 
     t = spec.cfg().score.tree
-    mine = {x["problem_id"] for x in trajs}  # this shard's
-    nodes = [n for n in spec.rows("generate", "nodes") if n["problem_id"] in mine]
-    if not nodes:
-        raise RuntimeError(f"{spec.stage_run_id}: score.tree labels from generate.mcts's trees, but generate wrote "
-                           "no `nodes` this round")
-    tree_labels, stats = tree_step_labels(nodes, trajs, steps, correct, rollouts_valued=rollouts_valued)
+    tree_labels, stats = tree_step_labels(nodes, trajs, steps, correct, rollouts_valued=rollouts_valued,
+                                          placed=placed, label_unsolved=t.label_unsolved)
     labels += tree_labels
-    pairs = tree_step_pairs(nodes, trajs, correct, margin=t.pair_margin, min_visits=t.min_visits)
+    pairs = tree_step_pairs(nodes, trajs, correct, margin=t.pair_margin, min_visits=t.min_visits, placed=placed)
     metrics |= {f"tree_{k}": float(v) for k, v in stats.items()} | {"tree_pairs": float(len(pairs))}
     log("score", f"tree labels ({'rollouts' if rollouts_valued else 'PRM'} values): {stats['tree_steps']} steps from "
                  f"nodes and {stats['rollout_steps']} from rollouts, on {stats['labelled_trajectories']} of "
-                 f"{len(trajs)} trajectories ({stats['misaligned']} misaligned); {len(pairs)} sibling pairs at Q "
+                 f"{len(trajs)} trajectories ({stats['misaligned']} misaligned, {stats['unsolved']} in trees with no "
+                 f"right solution: their final step only); {len(pairs)} sibling pairs at Q "
                  f"margin {t.pair_margin}")
     return pairs
 
@@ -161,5 +209,5 @@ def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple
 
 
 STAGE = Stage(name="score", section="score", gpu=True, reads=("generate", "verify"),
-              writes=("scores", "step_labels", "step_pairs"),
+              writes=("scores", "step_labels", "step_pairs", "nodes"),
               inputs=Inputs, plan=plan, run=run, samples=True, merge=merge)

@@ -87,8 +87,12 @@ WITH gen AS (
            count(*) FILTER (WHERE selected AND purpose = 'dpo_chosen') AS dpo_pairs
     FROM selections GROUP BY ALL
 ), mc AS (
-    -- Monte Carlo rollouts are generation too: the score stage's tokens count in the round's budget.
-    SELECT experiment_id, round, sum(TRY_CAST(json_extract(metrics_json, '$.mc_generated_tokens') AS DOUBLE))::BIGINT AS mc_tokens
+    -- Monte Carlo rollouts are generation too, and so is the tree score grows (score.tree.search): the score
+    -- stage's tokens count in the round's budget.
+    SELECT experiment_id, round,
+           sum(coalesce(TRY_CAST(json_extract(metrics_json, '$.mc_generated_tokens') AS DOUBLE), 0)
+               + coalesce(TRY_CAST(json_extract(metrics_json, '$.tree_search_generated_tokens') AS DOUBLE), 0)
+           )::BIGINT AS mc_tokens
     FROM stage_runs WHERE stage = 'score' AND status = 'committed' GROUP BY ALL
 ), srch AS (
     -- So are the step draws a PRM-guided search discarded (generate.search).
@@ -253,7 +257,7 @@ WHERE u.role = 'tool'
 GROUP BY ALL;
 
 CREATE OR REPLACE VIEW v_search AS
--- One row per search tree (generate.mcts): how far it went, what it cost, what it found and returned.
+-- One row per search tree (generate.mcts; score.tree.search, purpose 'label'): how far it went, what it cost, what it found and returned.
 SELECT experiment_id, round, purpose, tree_id, problem_id,
        count(*) - 1 AS steps_drawn,
        max(depth) AS max_depth,

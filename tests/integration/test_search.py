@@ -173,3 +173,68 @@ def test_a_rerun_of_generate_grows_the_same_trees_node_for_node(mcts_run):
     after = Store.for_config(cfg).query(sql, [cfg.experiment])[1]
     assert len(before) > 100 and {r[-1] for r in before}.isdisjoint({r[-1] for r in after})  # a new attempt's rows
     assert [r[:-1] for r in after] == [r[:-1] for r in before]
+
+
+# -- MCTS in score, for a round that sampled without it (score.tree.search) ------------------------------------
+
+LABEL_SEARCH = ["rounds=1", "recipe=coevo", "generate.problems_per_level=20", "generate.samples_per_problem=4",
+                "score.tree={pair_margin: 0.25, search: {simulations: 4, expansions: 3, max_step_tokens: 16, "
+                "rollouts: 2}}", *TREE_DATA[2:], "train_policy.steps=40", "evaluate.problems_per_level=20",
+                "evaluate.maj_k=1"]
+
+
+@pytest.fixture(scope="module")
+def label_run(prefect_server, micro_workdir, tmp_path_factory):
+    from flows.evolution import self_evolution
+
+    w = tmp_path_factory.mktemp("labels")
+    config = REPO / "configs" / "micro.yaml"
+    overrides = [f"workdir={w}", "experiment=micro-labels", *LABEL_SEARCH, *micro_workdir.start_from_round0()]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg)
+
+
+def test_score_grows_a_tree_from_each_problems_samples_and_labels_every_step(label_run):
+    cfg, store = label_run
+    trees = store.query("SELECT purpose, count(*), count(DISTINCT problem_id) FROM v_search WHERE experiment_id = ? "
+                        "GROUP BY 1", [cfg.experiment])[1]
+    problems = store.query("SELECT count(DISTINCT problem_id) FROM trajectories WHERE experiment_id = ? AND round = 1 "
+                           "AND purpose = 'train'", [cfg.experiment])[1][0][0]
+    assert trees == [("label", problems, problems)]  # generate sampled plainly: every tree is score's
+    # Every sample is labelled from its tree, and every step of a right one is good. (In a tree with no right
+    # solution known, a wrong answer's final step alone is labelled.)
+    samples, labelled, right_not_good = store.query("""
+        SELECT count(DISTINCT s.trajectory_id), count(DISTINCT l.trajectory_id),
+               count(*) FILTER (WHERE v.correct AND l.value IS DISTINCT FROM 1)
+        FROM steps s JOIN trajectories t USING (trajectory_id) JOIN verifications v USING (trajectory_id)
+        LEFT JOIN step_labels l ON l.trajectory_id = s.trajectory_id AND l.step_index = s.step_index
+                                AND l.source = 'tree_hard'
+        WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train'""", [cfg.experiment])[1][0]
+    assert samples == labelled > 0 and right_not_good == 0
+    # A sample the tree names is the path from the root to its leaf, step for step.
+    rebuilt = store.query(PATHS.replace("WHERE up.parent_id IS NULL", "WHERE up.parent_id IS NULL AND up.terminal"))[1]
+    texts = dict(store.query("SELECT trajectory_id, string_agg(text || chr(10), '' ORDER BY step_index) FROM steps "
+                             "GROUP BY 1")[1])
+    assert rebuilt and all(text == texts[tid] for tid, _, text, _ in rebuilt)
+    metrics = json.loads(store.query("SELECT metrics_json FROM stage_runs WHERE experiment_id = ? AND round = 1 "
+                                     "AND stage = 'score' AND status = 'committed'", [cfg.experiment])[1][0][0])
+    assert metrics["tree_search_trees"] == problems and metrics["tree_search_generated_tokens"] > 0
+    assert metrics["tree_search_nodes"] > metrics["tree_search_seeded"] and metrics["tree_misaligned"] == 0
+    # The search's tokens are the round's, as Monte Carlo rollouts are.
+    sampled, budget = store.query("SELECT generated_tokens, budget_tokens FROM v_round_summary WHERE experiment_id = ? "
+                                  "AND round = 1", [cfg.experiment])[1][0]
+    assert budget == sampled + metrics["tree_search_generated_tokens"]
+    assert store.committed_model(cfg.experiment, 1, "prm") is not None  # trained on tree_hard
+    assert store.query("SELECT count(*) FROM step_pairs WHERE source = 'tree'")[1][0][0] > 0
+
+
+def test_a_rerun_of_score_grows_the_same_trees(label_run):
+    from flows.evolution import run_stage
+
+    cfg, store = label_run
+    sql = ("SELECT tree_id, node_id, parent_id, step_text, prior, visits, q, value, terminal, reward, tokens, "
+           "trajectory_id FROM nodes WHERE experiment_id = ? ORDER BY tree_id, node_id")
+    before = store.query(sql, [cfg.experiment])[1]
+    run_stage(experiment=cfg.experiment, round=1, stage="score", workdir=cfg.workdir)
+    assert Store.for_config(cfg).query(sql, [cfg.experiment])[1] == before and len(before) > 100

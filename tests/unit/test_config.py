@@ -135,14 +135,25 @@ def test_incompatible_settings_say_what_to_change():
       "evaluate": {"levels": [1, 2], "search": {"level": 3}}}, r"evaluate.search.level=3 is not among "
                                                                r"evaluate.levels=\[1, 2\]"),
     # Labels and pairs from the MCTS tree.
-    ({"score": {"tree": {}}}, "score.tree labels steps from generate.mcts's trees: set generate.mcts"),
+    ({"score": {"tree": {}}}, "score.tree labels steps from an MCTS tree: set generate.mcts .*, or score.tree.search"),
+    ({"generate": {"mcts": {}}, "score": {"tree": {"search": {}}}}, "generate.mcts already grows this round's: set "
+                                                                    "score.tree.search=null"),
+    ({"score": {"tree": {"search": {"expansions": 0}}}}, "score.tree.search.expansions: Input should be greater"),
+    ({"score": {"tree": {"search": {"rollouts": 0}}}}, "score.tree.search has no value source: value=rollouts and "
+                                                       "rollouts=0; set score.tree.search.rollouts >= 1"),
+    ({"score": {"tree": {"search": {"token_budget": 10}}}}, r"score.tree.search.token_budget \(10\) is less than one "
+                                                            "expansion"),
+    ({"score": {"tree": {"search": {"value": "prm"}}}}, "score.tree.search.value=prm values prefixes with the previous "
+                                                        "round's PRM"),
+    ({"recipe": "grpo", "generate": {"samples_per_problem": 4}, "train_policy": {"method": "grpo"},
+      "score": {"tree": {"search": {}}}}, "does not use score.tree"),
     ({"score": {"tree": {"pair_margin": 1.5}}, "generate": {"mcts": {}}}, "score.tree.pair_margin: Input should be "
                                                                           "less than or equal to 1"),
     ({"recipe": "coevo", "train_reward": {"enabled": True, "label_source": "tree_hard"}, "generate": {"mcts": {}}},
      r"train_reward.label_source=tree_hard trains on the MCTS tree's labels: set score.tree"),
     ({"recipe": "coevo", "train_reward": {"enabled": True}, "generate": {"mcts": {}}, "score": {"tree": {}}},
      "train_reward.label_source=mc_hard needs Monte Carlo step labels to train on: set score.mc_rollouts >= 1 "
-     r"\(or, with generate.mcts, score.tree and label_source tree_hard or tree_soft\)"),
+     r"\(or score.tree, with generate.mcts or score.tree.search, and label_source tree_hard or tree_soft\)"),
 ])
 def test_coevo_settings_that_cannot_work_say_what_to_change(data, fix):
     with pytest.raises(ConfigError, match=fix):
@@ -155,8 +166,14 @@ def test_an_mcts_round_can_train_the_prm_and_dpo_on_its_tree_alone():
                             "train_reward": {"enabled": True, "label_source": "tree_soft"},
                             "filter": {"step_dpo_pairs": True}, "train_policy": {"method": "sft+dpo"}})
     assert cfg.score.mc_rollouts == 0 and cfg.score.tree.pair_margin == 0.5 and cfg.score.tree.min_visits == 1
+    # A round that samples without MCTS grows its trees in score.
+    cfg = load_config_dict({"experiment": "x", "recipe": "coevo", "score": {"tree": {"search": {"simulations": 4}}},
+                            "train_reward": {"enabled": True, "label_source": "tree_hard"}})
+    assert cfg.generate.mcts is None and cfg.score.tree.search.simulations == 4 and cfg.score.tree.search.rollouts == 2
     # An unset section leaves the config hash as it was before the setting existed.
     assert "tree" not in load_config_dict({"experiment": "x"}).model_dump()["score"]
+    assert "search" not in load_config_dict({"experiment": "x", "generate": {"mcts": {}}, "score": {"tree": {}}}
+                                            ).model_dump()["score"]["tree"]
 
 
 def test_the_implicit_prm_needs_no_reward_model_training():

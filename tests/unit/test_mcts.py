@@ -88,8 +88,11 @@ def test_same_inputs_same_tree_and_the_budget_stops_it():
     assert a == b
     trees, spent = mcts_search(["9", "7"], expand, value, reward, MCTSConfig(simulations=8, expansions=3,
                                                                              token_budget=20))
-    # Each simulation expands one leaf per tree, 3 candidates of 2 tokens: 12 tokens a simulation.
-    assert spent == 24 and len(trees[0].nodes) == 1 + 2 * 3
+    # Each simulation expands one leaf per tree, 3 candidates of 2 tokens: 12 tokens a simulation, 6 a leaf. The
+    # 8 tokens left after the first pay for one more leaf, the first tree's; then 2 are left, less than a leaf.
+    assert spent == 18 and [len(t.nodes) for t in trees] == [1 + 2 * 3, 1 + 3]
+    _, spent = mcts_search(["9", "7"], expand, value, reward, MCTSConfig(simulations=8, expansions=3, token_budget=24))
+    assert spent == 24
 
 
 @pytest.mark.parametrize("field, value_, said", [
@@ -108,6 +111,40 @@ def test_callbacks_that_break_their_contract_are_named():
         mcts_search(["9"], lambda pairs, k: [], value, reward, MCTSConfig(simulations=1))
     with pytest.raises(ValueError, match=r"value nan for a prefix of '9' is outside \[0, 1\]"):
         mcts_search(["9"], expand, lambda pairs: ([math.nan] * len(pairs), 0), reward, MCTSConfig(simulations=1))
+
+
+def test_a_tree_seeded_with_solutions_drawn_before_is_widened_by_the_search():
+    """score.tree.search: the round's solutions are paths of the tree before any simulation; the search draws
+    beside them, merging a draw of a seeded step into its node, and finds what none of them held."""
+    from components.search import Tree
+
+    tree = Tree("9")
+    wrong = [["+1\n", "+1\n", "+1\n"], ["+1\n", "+1\n", "+1\n"], ["+2\n", "+2\n", "+2\n"]]
+    leaves = [tree.seed(path, 0.0) for path in wrong]
+    assert leaves[0] is leaves[1] and leaves[0].visits == 2 and leaves[2].visits == 1  # a duplicate joins its leaf
+    first = [tree.nodes[c] for c in tree.nodes[0].children]
+    assert [(n.text, n.draws, round(n.prior, 3), n.visits, n.tokens) for n in first] == [
+        ("+1\n", 2, 0.667, 2, 0), ("+2\n", 1, 0.333, 1, 0)]
+    assert tree.nodes[0].visits == 3 and tree.nodes[0].q == 0.0 and not any(n.expanded for n in tree.nodes)
+    seeded = len(tree.nodes)
+
+    trees, spent = mcts_search(["9"], expand, value, reward, MCTSConfig(simulations=12, expansions=3), trees=[tree])
+    assert trees == [tree] and spent > 0
+    best = tree.best_leaf()
+    assert best.reward == 1.0 and tree.prefix(best.node_id) == "+3\n+3\n+3\n"
+    # The root's draws of +1 and +2 joined the seeded children; +3 is new; priors are over all draws.
+    first = [tree.nodes[c] for c in tree.nodes[0].children]
+    assert [(n.text, n.draws) for n in first] == [("+1\n", 3), ("+2\n", 2), ("+3\n", 1)]
+    assert [round(n.prior, 3) for n in first] == [0.5, 0.333, 0.167]
+    assert [n.node_id for n in first[:2]] == [1, 4] and first[2].node_id >= seeded
+    assert tree.nodes[leaves[0].node_id].reward == 0.0 and tree.nodes[leaves[0].node_id].terminal
+    for n in tree.nodes:  # visits still add up: each backup passes every node on its path once
+        kids = [tree.nodes[c] for c in n.children]
+        assert sum(k.visits for k in kids) <= n.visits
+    with pytest.raises(ValueError, match="a solution of '9' with no steps"):
+        tree.seed([], 1.0)
+    with pytest.raises(ValueError, match="the trees given are not the prompts'"):
+        mcts_search(["5"], expand, value, reward, MCTSConfig(simulations=1), trees=[Tree("9")])
 
 
 # -- with a policy: components/search/policy.py --------------------------------------------------
@@ -290,10 +327,10 @@ def test_the_compute_curve_puts_every_method_at_its_tokens_and_never_shows_the_s
     assert got[("greedy", 1)] == (10, 1.0) and got[("maj", 2)] == (20, 0.0) and got[("maj", 4)] == (40, 1.0)
     assert got[("prm_bon", 2)] == (20, 1.0)
     assert got[("beam", 2)][1] == got[("mcts", 4)][1] == 1.0  # the PRM steers both to 7, then 5
-    # 2 samples' 20 tokens buy MCTS two expansions (36 tokens): its best path has not ended, and is completed
-    # greedily ("#### 5\n", 7 tokens), which the point counts.
-    assert got[("mcts", 2)] == (36 + 7, 1.0)
-    assert 40 <= got[("mcts", 4)][0] < 40 + 3 * 16  # MCTS stops within one expansion past the 4 samples' tokens
+    # 2 samples' 20 tokens buy MCTS one expansion (18 tokens; the 2 left would not pay for another): its best path
+    # has not ended, and is completed greedily ("7-2=5\n#### 5\n", 13 tokens), which the point counts.
+    assert got[("mcts", 2)] == (18 + 13, 1.0)
+    assert got[("mcts", 4)] == (36 + 7, 1.0)  # two expansions within the 4 samples' 40 tokens, then "#### 5\n"
     # The searches follow the PRM, never the verifier: a PRM that likes the wrong first step gets the wrong answer.
     _, misled = curve("=8")
     assert misled[("beam", 2)][1] == misled[("mcts", 4)][1] == 0.0 and misled[("maj", 4)] == got[("maj", 4)]
