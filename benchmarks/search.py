@@ -22,9 +22,13 @@ and for MCTS its siblings, duplicates and rollouts) cumulated, and held-out gree
 hardest) by round. The issue's figure: the final level-3 accuracy of mcts minus until_correct, per seed, against
 the spread between seeds.
 
-With `--curves`, configs/micro-coevo.yaml runs `--rounds` rounds from seed 0's round-0 policy, and its compute
-curves (greedy, maj@N, PRM best-of-N, PRM beam search, MCTS on level 3) are printed for its first and last round:
-round 0 has no PRM to guide the searches. Everything goes to `--out` (JSON) too.
+With `--curves`, configs/micro-coevo.yaml runs `--rounds` rounds from seed 0's round-0 policy (or
+`--curves-model`), and its compute curves (greedy, maj@N, PRM best-of-N, PRM beam search, MCTS on level 3) are
+printed for round 0 and the last round. Round 0 has no PRM of its own to guide the searches, so evaluate draws
+no curve there: its curve is drawn here, by round 0's evaluate job run again outside the store with round 1's
+PRM as its reward model (`round0_curve`). `--curves-only` skips the arms. Everything goes to `--out` (JSON) too.
+
+    .venv/bin/python benchmarks/search.py --workdir /tmp/search-bench --curves-only --curves-model <round-0 policy>
 """
 
 from __future__ import annotations
@@ -59,12 +63,44 @@ def _rows(store, experiment: str) -> list[dict]:
     return out
 
 
+def round0_curve(workdir: Path, config: Path, overrides: list[str]) -> list[dict]:
+    """Round 0's compute curve, guided by round 1's PRM: round 0's evaluate job (the same seed, so the same samples)
+    run again into a scratch folder that nothing commits, with the first PRM as the round's reward model."""
+    import dataclasses
+    import subprocess
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from components.config import load_config
+    from components.search.curves import curve_points
+    from components.stages import build_spec
+    from components.store import Store
+
+    cfg = load_config(config, overrides)
+    store = Store(workdir / "store")
+    prm = store.committed_model(cfg.experiment, 1, "prm")
+    if prm is None:
+        raise SystemExit(f"{cfg.experiment}: no PRM committed in round 1 to guide round 0's curve")
+    out = Path(tempfile.mkdtemp(prefix="coevo-round0-curve-")) / "a1"
+    spec = build_spec(cfg, store, 0, "evaluate", 1, None, out_dir=out)
+    spec = dataclasses.replace(spec, params={**spec.params, "prm_uri": prm["uri"], "prm_model_id": prm["model_id"]})
+    (out.parent / "spec.json").write_text(spec.to_json())
+    with (workdir / f"{cfg.experiment}-round0-curve.log").open("w") as f:
+        subprocess.run([sys.executable, "-m", "components.jobs", "evaluate", "--spec", str(out.parent / "spec.json")],
+                       cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+    rows = [r for part in sorted(out.glob("part-evaluations-*.parquet")) for r in pq.read_table(part).to_pylist()]
+    return curve_points(rows)[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/search-bench"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--curves", action="store_true", help="also run micro-coevo and print its compute curves")
+    ap.add_argument("--curves-only", action="store_true", help="the curves alone, not the arms")
+    ap.add_argument("--curves-model", help="the curves run's round-0 policy (default: seed 0's until_correct's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from components.search.curves import curve_points
@@ -73,7 +109,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     store = lambda: Store(args.workdir / "store")  # noqa: E731 - a fresh reader after each run's commits
     report: dict = {"arms": {}}
-    for seed in args.seeds:
+    for seed in [] if args.curves_only else args.seeds:
         base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}"]
         exp = f"bench-uc-s{seed}"
         print(f"[bench] seed {seed}: until_correct", flush=True)
@@ -99,42 +135,55 @@ def main() -> None:
         report["arms"].setdefault("mcts_dpo", {})[seed] = _rows(store(), exp_d)
         report["arms"].setdefault("mcts_rpo", {})[seed] = _rows(store(), exp_r)
         report.setdefault("mcts_token_budget", {})[seed] = budget
-    print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative budget tokens: samples, search and rollouts)")
-    for arm, seeds in report["arms"].items():
-        for seed, rows in seeds.items():
-            print(f"{arm:14s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['cumulative_tokens']})"
-                                                        for r in rows), flush=True)
-    final = {arm: {s: rows[-1]["hardest"] for s, rows in seeds.items()} for arm, seeds in report["arms"].items()}
-    diffs = {arm: [final[arm][s] - final["until_correct"][s] for s in args.seeds]
-             for arm in ("mcts", "mcts_dpo", "mcts_rpo")}
-    spread = {arm: max(v.values()) - min(v.values()) for arm, v in final.items()}
-    report["final"], report["difference"], report["seed_spread"] = final, diffs, spread
-    pairs = dict(store().query("SELECT experiment_id, count(*) FROM step_pairs JOIN trajectories USING (trajectory_id) "
-                               "WHERE source = 'tree' GROUP BY 1")[1])
-    report["tree_pairs"] = {s: pairs.get(f"bench-mcts-dpo-s{s}", 0) for s in args.seeds}
-    print(f"\nthe tree's step pairs, all rounds, per seed: {report['tree_pairs']}")
-    for arm, d in diffs.items():
-        print(f"the issue's figure: final level-{HARDEST} accuracy, {arm} - until_correct, per seed: "
-              + ", ".join(f"{x:+.3f}" for x in d))
-    print("goal +0.05 beyond the seed spread; spread: " + ", ".join(f"{a} {v:.3f}" for a, v in spread.items()))
-    if args.curves:
+    if not args.curves_only:
+        _report_arms(report, args.seeds, store)
+    if args.curves or args.curves_only:
         exp_c = "bench-curves"
-        model = store().committed_model(f"bench-uc-s{args.seeds[0]}", 0, "policy")
+        model = args.curves_model or store().committed_model(f"bench-uc-s{args.seeds[0]}", 0, "policy")["uri"]
         print(f"[bench] curves: micro-coevo, {args.rounds} rounds", flush=True)
-        _run("configs/micro-coevo.yaml", [f"workdir={args.workdir}", f"experiment={exp_c}", f"rounds={args.rounds}",
-                                          f"policy.model={model['uri']}", "bootstrap.steps=0"],
-             args.workdir / f"{exp_c}.log")
+        config = REPO / "configs" / "micro-coevo.yaml"
+        overrides = [f"workdir={args.workdir}", f"experiment={exp_c}", f"rounds={args.rounds}", f"policy.model={model}",
+                     "bootstrap.steps=0"]
+        _run(str(config.relative_to(REPO)), overrides, args.workdir / f"{exp_c}.log")
         curves = curve_points(store().evaluations(exp_c))
+        print("[bench] curves: round 0's, under round 1's PRM", flush=True)
+        curves[0] = round0_curve(args.workdir, config, overrides)
         report["curves"] = curves
-        for rnd in (min(curves), max(curves)):
+        from components.plots import compute_curve
+
+        plot = compute_curve({0: curves[0], max(curves): curves[max(curves)]}, args.workdir / "compute-curves.png",
+                             f"micro-coevo, round 0 (guided by round 1's PRM) and round {max(curves)}")
+        print(f"[bench] the curves' plot: {plot}", flush=True)
+        for rnd in (0, max(curves)):
             print(f"\ncompute curve, round {rnd}, level {curves[rnd][0]['level']} ({curves[rnd][0]['n']} problems): "
-                  "accuracy at tokens per problem")
+                  "accuracy at tokens per problem" + (" (round 1's PRM guides)" if rnd == 0 else ""))
             for method in ("greedy", "maj", "prm_bon", "beam", "mcts"):
                 pts = sorted((p for p in curves[rnd] if p["method"] == method), key=lambda p: p["budget"])
                 print(f"  {method:8s} " + "  ".join(f"N={p['budget']}: {p['accuracy']:.3f} @ {p['tokens']:.0f}"
                                                     for p in pts))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1, default=str))
+
+
+def _report_arms(report: dict, seed_list: list[int], store) -> None:
+    print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative budget tokens: samples, search and rollouts)")
+    for arm, seeds in report["arms"].items():
+        for seed, rows in seeds.items():
+            print(f"{arm:14s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['cumulative_tokens']})"
+                                                        for r in rows), flush=True)
+    final = {arm: {s: rows[-1]["hardest"] for s, rows in seeds.items()} for arm, seeds in report["arms"].items()}
+    diffs = {arm: [final[arm][s] - final["until_correct"][s] for s in seed_list]
+             for arm in ("mcts", "mcts_dpo", "mcts_rpo")}
+    spread = {arm: max(v.values()) - min(v.values()) for arm, v in final.items()}
+    report["final"], report["difference"], report["seed_spread"] = final, diffs, spread
+    pairs = dict(store().query("SELECT experiment_id, count(*) FROM step_pairs JOIN trajectories USING (trajectory_id) "
+                               "WHERE source = 'tree' GROUP BY 1")[1])
+    report["tree_pairs"] = {s: pairs.get(f"bench-mcts-dpo-s{s}", 0) for s in seed_list}
+    print(f"\nthe tree's step pairs, all rounds, per seed: {report['tree_pairs']}")
+    for arm, d in diffs.items():
+        print(f"the issue's figure: final level-{HARDEST} accuracy, {arm} - until_correct, per seed: "
+              + ", ".join(f"{x:+.3f}" for x in d))
+    print("goal +0.05 beyond the seed spread; spread: " + ", ".join(f"{a} {v:.3f}" for a, v in spread.items()))
 
 
 if __name__ == "__main__":

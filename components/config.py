@@ -218,7 +218,7 @@ class TreeLabelsSection(_Section):
         False, description="Label every step of an answer whose tree holds no known right solution (all bad). Off: "
                            "only its final step, as first_error labels an answer it does not search; the policy "
                            "could not finish from those steps, which does not make them wrong (on one micro round, "
-                           "62 of 158 such steps were right).")
+                           "64 of 158 such steps were right).")
     search: LabelSearchSection | None = Field(
         None, exclude_if=lambda v: v is None,  # unset, older experiments' config hashes stay as they were
         description="Null: the trees are generate.mcts's. Otherwise, for a round that samples without MCTS, score "

@@ -91,7 +91,7 @@ def compute_curve(domain: Domain, backend: GenerationBackend, problems: list[Pro
         if "mcts" in methods:
             cfg = MCTSConfig(simulations=MCTS_SIMULATIONS, expansions=expansions, c_puct=c_puct, max_depth=max_depth,
                              token_budget=max(int(tokens_at[b] * n), 1))
-            trees, spent = mcts_search(prompts, expand, value, lambda p, s: value([(p, s)])[0][0], cfg)
+            trees, spent = mcts_search(prompts, expand, value, lambda pairs: value(pairs)[0], cfg)
             leaves = [t.best_leaf() for t in trees]
             best, more = finished([t.prefix(x.node_id) for t, x in zip(trees, leaves)], [x.terminal for x in leaves],
                                   calls.next())

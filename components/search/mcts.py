@@ -228,14 +228,15 @@ def _priors(cands: list[Candidate]) -> list[float]:
 def mcts_search(prompts: list[str],
                 expand: Callable[[list[tuple[str, str]], int], list[list[Candidate]]],
                 value: Callable[[list[tuple[str, str]]], tuple[list[float], int]],
-                reward: Callable[[str, str], float],
+                reward: Callable[[list[tuple[str, str]]], list[float]],
                 cfg: MCTSConfig, progress: Callable[[int, int], None] | None = None,
                 trees: list[Tree] | None = None) -> tuple[list[Tree], int]:
     """Search each prompt's tree (module docstring); returns the trees and the tokens generated.
 
     `expand(pairs, k)` gets (prompt, prefix) pairs and returns k candidate steps for each; `value(pairs)`
     returns a value in [0, 1] for each prefix and the tokens it generated (0 for a PRM; rollouts' tokens);
-    `reward(prompt, solution)` is the verifier's at a terminal node; `progress(simulation, tokens)`, where given,
+    `reward(pairs)` gets the (prompt, solution) pairs that ended in a simulation and returns the verifier's reward of
+    each (one call a simulation, so a PRM judging held-out solutions scores them in one batch); `progress(simulation, tokens)`, where given,
     is called after each simulation. `trees`, where given, are the prompts' trees to search on (seeded ones, say).
     """
     if trees is None:
@@ -295,10 +296,13 @@ def mcts_search(prompts: list[str],
                 raise ValueError(f"mcts: value {v!r} for a prefix of {t.prompt!r} is outside [0, 1]")
             n.value = v
             t.backup(n.node_id, v)
-        for t, n in new:
-            if n.terminal:
-                n.reward = float(reward(t.prompt, t.prefix(n.node_id)))
-                t.backup(n.node_id, n.reward)
+        ends = [(t, n) for t, n in new if n.terminal]
+        got = reward([(t.prompt, t.prefix(n.node_id)) for t, n in ends]) if ends else []
+        if len(got) != len(ends):
+            raise ValueError(f"mcts: reward returned {len(got)} rewards for {len(ends)} solutions")
+        for (t, n), r in zip(ends, got):
+            n.reward = float(r)
+            t.backup(n.node_id, n.reward)
         if progress:
             progress(sim + 1, spent)
     return trees, spent

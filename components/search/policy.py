@@ -117,8 +117,8 @@ def mcts_sample(domain: Domain, backend: GenerationBackend, problems: list[Probl
     value = value or rollout_value(domain, backend, calls, answers, rollouts=rollouts, temperature=temperature,
                                    top_p=top_p, max_new_tokens=max_new_tokens, completions=completions)
 
-    def reward(prompt: str, solution: str) -> float:
-        return float(domain.verify([solution], [answers[prompt]])[0] or 0.0)
+    def reward(pairs: list[tuple[str, str]]) -> list[float]:
+        return [float(r or 0.0) for r in domain.verify([s for _, s in pairs], [answers[p] for p, _ in pairs])]
 
     trees, spent = mcts_search([p.prompt for p in problems], expand, value, reward, cfg, progress, trees)
     samples = []

@@ -45,8 +45,12 @@ def reward(prompt, solution):
     return float(_total(solution)[0] == int(prompt))
 
 
+def rewards(pairs):  # as mcts_search takes it: every solution that ended in a simulation, in one call
+    return [reward(p, s) for p, s in pairs]
+
+
 def test_the_search_finds_what_the_policy_alone_would_not():
-    trees, spent = mcts_search(["9", "5"], expand, value, reward, MCTSConfig(simulations=12, expansions=3))
+    trees, spent = mcts_search(["9", "5"], expand, value, rewards, MCTSConfig(simulations=12, expansions=3))
     for tree, target in zip(trees, (9, 5)):
         best = tree.best_leaf()
         assert best.terminal and best.reward == 1.0 and _total(tree.prefix(best.node_id))[0] == target
@@ -65,7 +69,7 @@ def test_the_search_finds_what_the_policy_alone_would_not():
 def test_visits_and_values_back_up_consistently():
     """An inner node is backed up once when it is made (its own value) and once per visit below it; the root
     only through its children. Exactly, node by node."""
-    trees, _ = mcts_search(["9"], expand, value, reward, MCTSConfig(simulations=10, expansions=3))
+    trees, _ = mcts_search(["9"], expand, value, rewards, MCTSConfig(simulations=10, expansions=3))
     tree = trees[0]
     inner = [n for n in tree.nodes if n.children]
     assert len(inner) > 3
@@ -83,15 +87,15 @@ def test_visits_and_values_back_up_consistently():
 
 def test_same_inputs_same_tree_and_the_budget_stops_it():
     cfg = MCTSConfig(simulations=8, expansions=3)
-    a = [node_rows(t) for t in mcts_search(["9", "7"], expand, value, reward, cfg)[0]]
-    b = [node_rows(t) for t in mcts_search(["9", "7"], expand, value, reward, cfg)[0]]
+    a = [node_rows(t) for t in mcts_search(["9", "7"], expand, value, rewards, cfg)[0]]
+    b = [node_rows(t) for t in mcts_search(["9", "7"], expand, value, rewards, cfg)[0]]
     assert a == b
-    trees, spent = mcts_search(["9", "7"], expand, value, reward, MCTSConfig(simulations=8, expansions=3,
+    trees, spent = mcts_search(["9", "7"], expand, value, rewards, MCTSConfig(simulations=8, expansions=3,
                                                                              token_budget=20))
     # Each simulation expands one leaf per tree, 3 candidates of 2 tokens: 12 tokens a simulation, 6 a leaf. The
     # 8 tokens left after the first pay for one more leaf, the first tree's; then 2 are left, less than a leaf.
     assert spent == 18 and [len(t.nodes) for t in trees] == [1 + 2 * 3, 1 + 3]
-    _, spent = mcts_search(["9", "7"], expand, value, reward, MCTSConfig(simulations=8, expansions=3, token_budget=24))
+    _, spent = mcts_search(["9", "7"], expand, value, rewards, MCTSConfig(simulations=8, expansions=3, token_budget=24))
     assert spent == 24
 
 
@@ -108,9 +112,11 @@ def test_settings_out_of_range_are_refused(field, value_, said):
 
 def test_callbacks_that_break_their_contract_are_named():
     with pytest.raises(ValueError, match="expand returned 0 lists of candidates for 1 leaves"):
-        mcts_search(["9"], lambda pairs, k: [], value, reward, MCTSConfig(simulations=1))
+        mcts_search(["9"], lambda pairs, k: [], value, rewards, MCTSConfig(simulations=1))
     with pytest.raises(ValueError, match=r"value nan for a prefix of '9' is outside \[0, 1\]"):
-        mcts_search(["9"], expand, lambda pairs: ([math.nan] * len(pairs), 0), reward, MCTSConfig(simulations=1))
+        mcts_search(["9"], expand, lambda pairs: ([math.nan] * len(pairs), 0), rewards, MCTSConfig(simulations=1))
+    with pytest.raises(ValueError, match="reward returned 0 rewards for 3 solutions"):
+        mcts_search(["9"], expand, value, lambda pairs: [], MCTSConfig(simulations=4))
 
 
 def test_a_tree_seeded_with_solutions_drawn_before_is_widened_by_the_search():
@@ -128,7 +134,7 @@ def test_a_tree_seeded_with_solutions_drawn_before_is_widened_by_the_search():
     assert tree.nodes[0].visits == 3 and tree.nodes[0].q == 0.0 and not any(n.expanded for n in tree.nodes)
     seeded = len(tree.nodes)
 
-    trees, spent = mcts_search(["9"], expand, value, reward, MCTSConfig(simulations=12, expansions=3), trees=[tree])
+    trees, spent = mcts_search(["9"], expand, value, rewards, MCTSConfig(simulations=12, expansions=3), trees=[tree])
     assert trees == [tree] and spent > 0
     best = tree.best_leaf()
     assert best.reward == 1.0 and tree.prefix(best.node_id) == "+3\n+3\n+3\n"
@@ -144,7 +150,7 @@ def test_a_tree_seeded_with_solutions_drawn_before_is_widened_by_the_search():
     with pytest.raises(ValueError, match="a solution of '9' with no steps"):
         tree.seed([], 1.0)
     with pytest.raises(ValueError, match="the trees given are not the prompts'"):
-        mcts_search(["5"], expand, value, reward, MCTSConfig(simulations=1), trees=[Tree("9")])
+        mcts_search(["5"], expand, value, rewards, MCTSConfig(simulations=1), trees=[Tree("9")])
 
 
 # -- with a policy: components/search/policy.py --------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from components.search import MCTSConfig, mcts_search, node_rows
 from components.search.training import tree_step_labels, tree_step_pairs
-from tests.unit.test_mcts import STEPS, _total, expand, reward, value
+from tests.unit.test_mcts import STEPS, _total, expand, reward, rewards, value
 
 TARGETS = ("9", "6", "5")
 
@@ -24,7 +24,7 @@ def reachable(target: int, prefix: str) -> bool:
 @pytest.fixture(scope="module")
 def searched():
     """Each tree's rows as the store holds them, every terminal leaf returned as a trajectory."""
-    trees, _ = mcts_search(list(TARGETS), expand, value, reward, MCTSConfig(simulations=10, expansions=3))
+    trees, _ = mcts_search(list(TARGETS), expand, value, rewards, MCTSConfig(simulations=10, expansions=3))
     nodes, trajs, correct = [], [], {}
     for tree in trees:
         for row in node_rows(tree):
