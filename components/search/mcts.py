@@ -18,12 +18,14 @@ A node is one step; the root is the problem. Each simulation, for every tree sti
 A terminal leaf selected again backs up its reward once more (its Q is exact, so visits pile up where the
 search believes).
 
+The budget counts generated tokens, the expansions' and whatever the value source reports, as every other
+sampler does, so searches compare with plain sampling at equal tokens. A simulation expands only as many leaves
+as the budget left pays for at the mean cost of a leaf so far (the trees that have spent least first), so a
+search stops within about one leaf's cost of its budget, not a whole simulation's.
+
 A tree can start from solutions drawn outside the search (`Tree.seed`: score grows trees around a round's
-samples this way). Each is a path of unexpanded nodes, backed up once with its verifier's reward; a simulation that
-selects such a node draws K candidate steps there, merged with the seeded ones by their text. The budget counts generated tokens, the expansions' and whatever the value source reports,
-as every other sampler does, so searches compare with plain sampling at equal tokens. A simulation expands only
-as many leaves as the budget left pays for at the mean cost of a leaf so far (the trees that have spent least
-first), so a search stops within about one leaf's cost of its budget, not a whole simulation's.
+samples this way). Each is a path of unexpanded nodes, backed up once with its verifier's reward; a simulation
+that selects such a node draws K candidate steps there, merged with the seeded ones by their text.
 """
 
 from __future__ import annotations
@@ -235,9 +237,10 @@ def mcts_search(prompts: list[str],
 
     `expand(pairs, k)` gets (prompt, prefix) pairs and returns k candidate steps for each; `value(pairs)`
     returns a value in [0, 1] for each prefix and the tokens it generated (0 for a PRM; rollouts' tokens);
-    `reward(pairs)` gets the (prompt, solution) pairs that ended in a simulation and returns the verifier's reward of
-    each (one call a simulation, so a PRM judging held-out solutions scores them in one batch); `progress(simulation, tokens)`, where given,
-    is called after each simulation. `trees`, where given, are the prompts' trees to search on (seeded ones, say).
+    `reward(pairs)` gets the (prompt, solution) pairs that ended in a simulation and returns the verifier's reward
+    of each (one call a simulation, so a PRM judging held-out solutions scores them in one batch);
+    `progress(simulation, tokens)`, where given, is called after each simulation. `trees`, where given, are the
+    prompts' trees to search on (seeded ones, say).
     """
     if trees is None:
         trees = [Tree(p) for p in prompts]
@@ -257,7 +260,7 @@ def mcts_search(prompts: list[str],
             if final(leaf):
                 t.backup(leaf.node_id, leaf.reward if leaf.terminal else leaf.q)
         grow = [(t, leaf) for t, leaf in leaves if not final(leaf)]
-        if cfg.token_budget is not None and grown and grow:  # expand only what the budget left pays for
+        if cfg.token_budget is not None and spent > 0 and grow:  # expand only what the budget left pays for
             room = int((cfg.token_budget - spent) // (spent / grown))
             if room == 0:
                 break

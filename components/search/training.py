@@ -152,8 +152,8 @@ def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[st
     trees returned, and counts: `labelled_trajectories`, `tree_steps` (labelled from nodes), `rollout_steps`
     (from a rollout's outcome), `misaligned` (a trajectory whose stored steps are not its path's: left
     unlabelled) and `unsolved` (an answer in a tree with no right solution known: its final step alone labelled,
-    unless `label_unsolved`). `steps` maps a trajectory to its `domain.split_steps` texts; `rollouts_valued` says whether
-    rollouts, not a PRM, valued the open nodes; `placed`, where given, is where each trajectory ended
+    unless `label_unsolved`). `steps` maps a trajectory to its `domain.split_steps` texts; `rollouts_valued` says
+    whether rollouts, not a PRM, valued the open nodes; `placed`, where given, is where each trajectory ended
     (`grow_label_trees`)."""
     trees = _trees(nodes)
     right = {id(t): t.right(correct, rollouts_valued) for t in trees.values()}

@@ -12,7 +12,7 @@ from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
 from components.seeding import derive_seed
 from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, merged_counts,
-                                    problems_by_id, reward_scores, steps_by_trajectory, write)
+                                    problems_by_id, reward_model_of, reward_scores, steps_by_trajectory, write)
 
 
 @dataclass
@@ -142,7 +142,6 @@ def _grow_trees(spec: StageSpec, inp: Inputs, trajs: list[dict[str, Any]], steps
     """score.tree.search: a tree per problem, grown from the round's solutions with the policy that sampled them."""
     from components.search.policy import prm_value
     from components.search.training import grow_label_trees
-    from components.stages.base import reward_model_of
 
     cfg, domain = spec.cfg(), domain_of(spec)
     m = cfg.score.tree.search
@@ -202,9 +201,9 @@ def mean_scores(rows: list[dict[str, Any]], scored: int, reward_model: bool) -> 
 
 
 def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple[dict[str, float], dict]:
-    """Counts add up, the shards' Monte Carlo seconds and search depth take the largest, and the mean scores
-    are over every shard's rows."""
-    metrics = merged_counts(shard_metrics, maxed=("mc_seconds", "mc_search_levels"))
+    """Counts add up, the shards' Monte Carlo and tree-search seconds and search depth take the largest, and the
+    mean scores are over every shard's rows."""
+    metrics = merged_counts(shard_metrics, maxed=("mc_seconds", "mc_search_levels", "tree_search_seconds"))
     return metrics | mean_scores(read("scores"), int(metrics["scored"]), "rm_mean_score" in metrics), {}
 
 

@@ -204,3 +204,28 @@ def test_the_openai_backend_runs_generate_and_evaluate_against_vllm_serve(vllm_p
     states = _q(store, "SELECT attempt, status FROM stage_runs WHERE experiment_id = 'served' AND round = 0 AND "
                        "stage = 'evaluate' ORDER BY attempt", [])
     assert states == [(1, "committed"), (2, "failed")]
+
+
+def test_a_grpo_round_trains_on_the_ids_vllm_sampled(vllm_python, hf_run):
+    """Recipe grpo sampling through vLLM: TRL's loss reads each rollout's ids as the engine sampled them (none
+    re-tokenized), its group advantages are the stored ones, and the round lands in `v_rl_round`."""
+    from components.store import Store
+    from flows.evolution import self_evolution
+
+    wd, model = hf_run
+    self_evolution(config_path=str(REPO / "configs" / "micro-grpo.yaml"), overrides=[
+        f"workdir={wd}", "experiment=grpo-vllm", "rounds=1", "generate.backend=vllm", f"policy.model={model}",
+        "bootstrap.steps=0", "generate.problems_per_level=16", "evaluate.problems_per_level=10", "evaluate.maj_k=1"])
+    store = Store(wd / "store")
+    problems, rollouts, no_ids, cut = _q(
+        store, "SELECT count(DISTINCT problem_id), count(*), count(*) FILTER (WHERE token_ids IS NULL), count(*) "
+               "FILTER (WHERE len(token_ids) <> num_tokens) FROM trajectories WHERE experiment_id = ? AND round = 1 "
+               "AND purpose = 'train'", ["grpo-vllm"])[0]
+    assert rollouts == problems * 8 > 0 and no_ids == cut == 0
+    assert _stage(store, "grpo-vllm", 1, "generate")["metrics"]["engine_prefix_cache_queries"] > 0  # in vLLM
+    trained = _stage(store, "grpo-vllm", 1, "train_policy")["metrics"]
+    assert trained["retokenized"] == 0 and trained["advantage_gap"] < 1e-5
+    cols, rows = store.query("SELECT * FROM v_rl_round WHERE experiment_id = ?", ["grpo-vllm"])
+    r = dict(zip(cols, rows[0]))
+    assert r["rollouts"] == rollouts and r["rollouts_trained"] > 0 and r["optimizer_steps"] > 0
+    assert 0 <= r["clip_fraction"] <= 1 and 0 < r["staleness_max"] < r["optimizer_steps"]
