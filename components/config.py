@@ -269,8 +269,8 @@ class ScoreConfig(_Section):
     tree: TreeLabelsSection | None = Field(
         None, exclude_if=lambda v: v is None,
         description="Label each solution's steps from an MCTS tree (generate.mcts's, or one score grows: "
-                    "score.tree.search): tree_soft is the node's Q, tree_hard is 1 where a right solution passed through the node "
-                    "(train_reward.label_source tree_soft or tree_hard trains the PRM on them); and with "
+                    "score.tree.search): tree_soft is the node's Q, tree_hard is 1 where a right solution passed "
+                    "through the node (train_reward.label_source tree_soft or tree_hard trains the PRM on them); and with "
                     "filter.step_dpo_pairs, pair wrong answers with right ones that part at siblings (MCTS-DPO).")
     oracle_labels: bool = Field(
         True, description="Store the domain's exact step labels (source 'oracle') where it has them: for "

@@ -195,7 +195,7 @@ def label_run(prefect_server, micro_workdir, tmp_path_factory):
     return cfg, Store.for_config(cfg)
 
 
-def test_score_grows_a_tree_from_each_problems_samples_and_labels_every_step(label_run):
+def test_score_grows_a_tree_from_each_problems_samples_and_labels_every_sample(label_run):
     cfg, store = label_run
     trees = store.query("SELECT purpose, count(*), count(DISTINCT problem_id) FROM v_search WHERE experiment_id = ? "
                         "GROUP BY 1", [cfg.experiment])[1]
