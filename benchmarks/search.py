@@ -67,12 +67,12 @@ def round0_curve(workdir: Path, config: Path, overrides: list[str]) -> list[dict
     """Round 0's compute curve, guided by round 1's PRM: round 0's evaluate job (the same seed, so the same samples)
     run again into a scratch folder that nothing commits, with the first PRM as the round's reward model."""
     import dataclasses
-    import subprocess
     import tempfile
 
     import pyarrow.parquet as pq
 
     from components.config import load_config
+    from components.jobs.launch import execute
     from components.search.curves import curve_points
     from components.stages import build_spec
     from components.store import Store
@@ -85,10 +85,8 @@ def round0_curve(workdir: Path, config: Path, overrides: list[str]) -> list[dict
     out = Path(tempfile.mkdtemp(prefix="coevo-round0-curve-")) / "a1"
     spec = build_spec(cfg, store, 0, "evaluate", 1, None, out_dir=out)
     spec = dataclasses.replace(spec, params={**spec.params, "prm_uri": prm["uri"], "prm_model_id": prm["model_id"]})
-    (out.parent / "spec.json").write_text(spec.to_json())
     with (workdir / f"{cfg.experiment}-round0-curve.log").open("w") as f:
-        subprocess.run([sys.executable, "-m", "components.jobs", "evaluate", "--spec", str(out.parent / "spec.json")],
-                       cwd=REPO, stdout=f, stderr=subprocess.STDOUT, check=True)
+        execute(cfg, spec, log=lambda line: print(line, file=f, flush=True))
     rows = [r for part in sorted(out.glob("part-evaluations-*.parquet")) for r in pq.read_table(part).to_pylist()]
     return curve_points(rows)[0]
 

@@ -42,16 +42,21 @@ WHERE up.parent_id IS NULL
 """
 
 
-@pytest.fixture(scope="module")
-def mcts_run(prefect_server, micro_workdir, tmp_path_factory):
+def _micro_round(micro_workdir, tmp_path_factory, experiment: str, settings: list[str]):
+    """One micro experiment from micro's round-0 policy, in a workdir of its own: its config and store."""
     from flows.evolution import self_evolution
 
-    w = tmp_path_factory.mktemp("mcts")
+    w = tmp_path_factory.mktemp(experiment)
     config = REPO / "configs" / "micro.yaml"
-    overrides = [f"workdir={w}", "experiment=micro-mcts", *MCTS, *TREE_DATA, *micro_workdir.start_from_round0()]
+    overrides = [f"workdir={w}", f"experiment={experiment}", *settings, *micro_workdir.start_from_round0()]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def mcts_run(prefect_server, micro_workdir, tmp_path_factory):
+    return _micro_round(micro_workdir, tmp_path_factory, "micro-mcts", [*MCTS, *TREE_DATA])
 
 
 def test_one_tree_per_problem_whose_returned_leaves_are_the_trajectories(mcts_run):
@@ -185,14 +190,7 @@ LABEL_SEARCH = ["rounds=1", "recipe=coevo", "generate.problems_per_level=20", "g
 
 @pytest.fixture(scope="module")
 def label_run(prefect_server, micro_workdir, tmp_path_factory):
-    from flows.evolution import self_evolution
-
-    w = tmp_path_factory.mktemp("labels")
-    config = REPO / "configs" / "micro.yaml"
-    overrides = [f"workdir={w}", "experiment=micro-labels", *LABEL_SEARCH, *micro_workdir.start_from_round0()]
-    self_evolution(config_path=str(config), overrides=overrides)
-    cfg = load_config(config, overrides)
-    return cfg, Store.for_config(cfg)
+    return _micro_round(micro_workdir, tmp_path_factory, "micro-labels", LABEL_SEARCH)
 
 
 def test_score_grows_a_tree_from_each_problems_samples_and_labels_every_sample(label_run):
