@@ -41,12 +41,16 @@ def _run(config: str, overrides: list[str], log: Path) -> None:
 
 
 def _rows(store, experiment: str) -> list[dict]:
-    cols, rows = store.query("SELECT round, generated_tokens, greedy_acc_by_level FROM v_round_summary "
+    """Per round: cumulative sampled tokens (`tokens`), cumulative tokens with Monte Carlo labelling's (`budget`),
+    and level-3 greedy accuracy."""
+    cols, rows = store.query("SELECT round, generated_tokens, budget_tokens, greedy_acc_by_level FROM v_round_summary "
                              "WHERE experiment_id = ? ORDER BY round", [experiment])
-    out, total = [], 0
+    out, total, budget = [], 0, 0
     for r in (dict(zip(cols, row)) for row in rows):
         total += r["generated_tokens"] or 0
-        out.append({"round": r["round"], "tokens": total, "hardest": r["greedy_acc_by_level"].get(HARDEST)})
+        budget += r["budget_tokens"] or 0
+        out.append({"round": r["round"], "tokens": total, "budget": budget,
+                    "hardest": r["greedy_acc_by_level"].get(HARDEST)})
     return out
 
 

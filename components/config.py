@@ -341,11 +341,19 @@ class GRPOSection(_Section):
     reference: Literal["previous", "initial"] | None = Field(
         None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
     shaping_weight: float = Field(
-        0.0, ge=0, description="Dense reward: this weight times the round's reward-model score (score.reward_model, "
-                               "e.g. implicit) is added to each rollout's outcome reward before the group normalises "
-                               "it; 0: outcome only.")
+        0.0, ge=0, description="Dense reward. credit=trajectory: this weight times the round's reward-model score "
+                               "(score.reward_model, e.g. implicit) is added to each rollout's outcome reward before "
+                               "the group normalises it. credit=step: the weight on each step's normalised step "
+                               "rewards (see credit). 0: outcome only.")
     shaping_aggregate: Literal["min", "mean", "last"] = Field(
-        "mean", description="Which of the reward model's step-score aggregates shapes the reward.")
+        "mean", description="Which of the reward model's step-score aggregates shapes the reward (credit=trajectory).")
+    credit: Literal["trajectory", "step"] = Field(
+        "trajectory", exclude_if=lambda v: v == "trajectory",
+        description="Which tokens share an advantage. 'trajectory': all of a rollout's, shaped by shaping_weight x "
+                    "the reward model's aggregate. 'step': each step its own, the rollout's outcome advantage plus "
+                    "shaping_weight x the sum of its group-normalised step rewards from that step on (DeepSeekMath's "
+                    "process supervision); the step rewards are the round's reward-model step scores, else its "
+                    "Monte Carlo mc_soft labels, and a group whose outcomes are equal trains where they differ.")
 
 
 _GRPO_DEFAULT = GRPOSection()

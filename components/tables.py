@@ -285,11 +285,12 @@ TABLES: dict[str, Table] = {t.name: t for t in [
     ),
     _table(
         # A grpo round's learning signal (components.rl), one row per rollout (turn_index -1) and, for an agent's
-        # episode, per assistant turn: its rewards, its group's mean and std, and the advantage train_policy
-        # feeds TRL's loss. `kept` is false for a group the filter dropped (all rewards equal, or over the cap).
+        # episode, per assistant turn, or with train_policy.grpo.credit=step, per step: its rewards, its group's
+        # mean and std, and the advantage train_policy feeds TRL's loss for those tokens. `kept` is false for a
+        # group the filter dropped (no signal, or over the cap).
         "advantages", ("trajectory_id", "turn_index"),
         col("trajectory_id", STR, null=False),
-        col("turn_index", INT, null=False),  # -1: the whole rollout
+        col("turn_index", INT, null=False),  # -1: the whole rollout; else an agent's turn (`turns`) or a step (`steps`)
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),
         col("group_id", STR, null=False),  # the problem: a group is its samples_per_problem rollouts
@@ -302,6 +303,8 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("advantage", FLOAT, null=False),
         col("kept", BOOL, null=False),
         col("reason", STR, null=False),  # why kept or dropped
+        col("process", FLOAT),  # credit=step: the step's reward (reward-model score or mc_soft); NULL otherwise
+        col("process_return", FLOAT),  # credit=step: the sum of the group-normalised step rewards from it on
         _STAGE_RUN,
     ),
     _table(

@@ -12,8 +12,8 @@ ones that contradict it, when the config loads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from components.instantiate import locate
@@ -39,11 +39,16 @@ class Recipe:
     # Given the ExperimentConfig as it loads (the config calls it: no import back), raises ValueError
     # saying what to set where the config contradicts the recipe.
     check: Callable[[Any], None] = _accept
+    # Stages a round runs only where the config says so (grpo's train_reward: with train_reward.enabled).
+    when: Mapping[str, Callable[[Any], bool]] = field(default_factory=dict)
 
     def round_stages(self, round: int, cfg: Any = None) -> list[str]:
-        """The stages of `round`, in order. With the config given: an experiment with `imports` runs the
-        `import` stage in round 0 too, after the bootstrap, so its trajectories join round 0's data."""
+        """The stages of `round`, in order. With the config given: the stages `when` leaves out are left out, and
+        an experiment with `imports` runs the `import` stage in round 0 too, after the bootstrap, so its
+        trajectories join round 0's data. Without it, every stage the recipe can run."""
         stages = list(self.bootstrap if round == 0 else self.stages)
+        if cfg is not None:
+            stages = [s for s in stages if s not in self.when or self.when[s](cfg)]
         if round == 0 and cfg is not None and cfg.imports and "import" not in stages:
             stages.insert(stages.index("bootstrap") + 1 if "bootstrap" in stages else 0, "import")
         return stages

@@ -4,7 +4,9 @@ advantages, and trains a clipped policy gradient with TRL's GRPOTrainer on them 
     coevo run --config configs/micro-grpo.yaml
 
 - generate: `samples_per_problem` rollouts per problem, a group, with the sampled token ids stored;
-- verify, score: the outcome reward;
+- verify, score: the outcome reward, and the reward model's scores where one is set (`score.reward_model`);
+- train_reward (with `train_reward.enabled`): the round's PRM on its Monte Carlo step labels, which shapes the
+  next round's rewards (`train_policy.grpo.shaping_weight`, per step with `credit: step`);
 - filter: each rollout's advantage (`advantages` in the store); groups whose rewards are all equal are dropped
   (DAPO's dynamic sampling), and `filter.max_groups` caps the rest;
 - train_policy (`method: grpo`): `train_policy.grpo`'s loss on the kept groups, starting from the policy that
@@ -29,16 +31,25 @@ def check(cfg) -> None:
     if tp.grpo.beta > 0 and tp.grpo.reference is None:
         raise ValueError(f"train_policy.grpo.beta={tp.grpo.beta} needs a reference model: set "
                          "train_policy.grpo.reference to 'previous' or 'initial', or beta=0")
-    if tp.grpo.shaping_weight > 0 and cfg.score.reward_model in ("none", "prm", "orm"):
-        raise ValueError(f"train_policy.grpo.shaping_weight={tp.grpo.shaping_weight} shapes the reward with the round's "
-                         "reward-model scores: set score.reward_model=implicit (or a reward model by dotted path); "
-                         "a trained PRM or ORM under grpo is still to come")
+    g, rm = tp.grpo, cfg.score.reward_model
+    if g.credit == "step" and g.shaping_weight == 0:
+        raise ValueError("train_policy.grpo.credit=step weights each step's reward by shaping_weight: set "
+                         "train_policy.grpo.shaping_weight > 0, or credit=trajectory")
+    if g.shaping_weight > 0:
+        where_rm = f"train_policy.grpo.shaping_weight={g.shaping_weight} shapes the reward with the round's reward model"
+        if rm == "orm" and g.credit == "step":
+            raise ValueError("train_policy.grpo.credit=step needs step scores, and an ORM scores whole rollouts: set "
+                             "score.reward_model=prm or implicit")
+        if rm == "none" and not (g.credit == "step" and cfg.score.mc_rollouts):
+            raise ValueError(f"{where_rm}, and score.reward_model=none: set score.reward_model=implicit (or prm with "
+                             "train_reward.enabled, or a reward model by dotted path), or credit=step with "
+                             "score.mc_rollouts > 0 (Monte Carlo step values)")
     if tp.init != "previous":
         raise ValueError(f"{where} trains the policy that sampled the round: set train_policy.init=previous")
     if cfg.generate.top_p != 1.0:
         raise ValueError(f"{where}: the clipped ratio divides by the sampler's probabilities, which top_p "
                          f"truncates: set generate.top_p=1.0 (got {cfg.generate.top_p})")
-    bad = {"train_reward.enabled": cfg.train_reward.enabled, "generate.search": cfg.generate.search is not None,
+    bad = {"generate.search": cfg.generate.search is not None,
            "generate.mcts": cfg.generate.mcts is not None, "score.tree": cfg.score.tree is not None,
            "generate.until_correct": cfg.generate.until_correct is not None,
            "filter.dpo_pairs": cfg.filter.dpo_pairs, "filter.step_dpo_pairs": cfg.filter.step_dpo_pairs,
@@ -48,6 +59,8 @@ def check(cfg) -> None:
                          "defaults")
 
 
-RECIPE = Recipe(name="grpo", stages=("generate", "verify", "score", "filter", "train_policy", "evaluate"),
+RECIPE = Recipe(name="grpo",
+                stages=("generate", "verify", "score", "train_reward", "filter", "train_policy", "evaluate"),
+                when={"train_reward": lambda cfg: cfg.train_reward.enabled},
                 description="group-relative policy gradient on each round's own samples (TRL GRPOTrainer)",
                 check=check)

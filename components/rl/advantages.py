@@ -9,6 +9,11 @@ reward minus the group mean, divided by the group's sample standard deviation (B
 The store keeps every term (`advantages`), and the same numbers come back from SQL over the stored rewards
 (docs/grpo.md). A group whose rewards are all equal carries no signal and is dropped (DAPO's dynamic
 sampling); past `max_groups`, the groups kept are a seeded sample.
+
+With step-level credit (`step_advantages`), each step of a rollout (an agent's assistant turn) gets its own
+advantage, after DeepSeekMath's process supervision with GRPO (Shao et al. 2024, section 4.1.3): every step's
+process reward is normalised by the mean and std of all step rewards in its group, and a token's advantage is
+its rollout's plus `weight` times the sum of the normalised rewards of its step and the steps after it.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ def _std(xs: list[float]) -> float | None:
 
 
 def group_advantages(rollouts: list[dict[str, Any]], scale: Scale = "group", max_groups: int | None = None,
-                     seed: int = 0) -> list[dict[str, Any]]:
+                     seed: int = 0, process_varied: frozenset[str] | set[str] = frozenset()) -> list[dict[str, Any]]:
     """One row per rollout: `outcome` and optional `shaping` summed into `reward`, its group's size, mean and
-    std, `advantage`, and whether the group trains (`kept`, `reason`).
+    std, `advantage`, and whether the group trains (`kept`, `reason`). A group in `process_varied` (its step
+    rewards differ: step-level credit) has a signal even where its rewards are all equal.
 
     Each rollout is {"trajectory_id", "group_id", "outcome"[, "shaping"]}; a reward that is not a finite number
     is refused, naming the rollout.
@@ -58,7 +64,8 @@ def group_advantages(rollouts: list[dict[str, Any]], scale: Scale = "group", max
         groups[r["group_id"]].append({**r, "shaping": float(shaping), "reward": float(outcome) + float(shaping)})
     every = [x["reward"] for g in groups.values() for x in g]
     batch_std = _std(every) or 0.0
-    varied = sorted(g for g, xs in groups.items() if len({x["reward"] for x in xs}) > 1)
+    differ = {g for g, xs in groups.items() if len({x["reward"] for x in xs}) > 1}
+    varied = sorted(differ | (set(process_varied) & set(groups)))
     capped = set(varied) if max_groups is None or len(varied) <= max_groups else set(
         random.Random(seed).sample(varied, max_groups))
     out = []
@@ -68,7 +75,7 @@ def group_advantages(rollouts: list[dict[str, Any]], scale: Scale = "group", max
         mean, std = sum(rewards) / len(rewards), _std(rewards)
         denom = {"group": (std or 0.0) + EPS, "batch": batch_std + EPS, "none": 1.0}[scale]
         if gid in capped:
-            kept, reason = True, "rewards differ"
+            kept, reason = True, "rewards differ" if gid in differ else "process rewards differ"
         elif gid in varied:
             kept, reason = False, f"over filter.max_groups={max_groups}"
         else:
@@ -80,12 +87,79 @@ def group_advantages(rollouts: list[dict[str, Any]], scale: Scale = "group", max
     return out
 
 
-def zero_variance_share(rows: list[dict[str, Any]]) -> float:
-    """The share of groups whose rewards are all equal.
+def process_normalised(rows: list[dict[str, Any]], process: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Each rollout's step rewards, normalised by the mean and sample std of every step reward in its group
+    (`rows` are group_advantages' rows; `process` maps a rollout to its step rewards in order). A group with
+    fewer than two step rewards, or all equal, normalises to 0.
 
-    >>> zero_variance_share([{"group_id": "p", "reason": "every reward is 1: no signal"},
-    ...                      {"group_id": "q", "reason": "rewards differ"}])
+    >>> rows = [{"trajectory_id": "a", "group_id": "p"}, {"trajectory_id": "b", "group_id": "p"}]
+    >>> {t: [round(v, 3) for v in vs] for t, vs in process_normalised(rows, {"a": [1.0, 1.0], "b": [0.0]}).items()}
+    {'a': [0.577, 0.577], 'b': [-1.155]}
+    """
+    for tid, values in process.items():
+        bad = [v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)]
+        if bad:
+            raise ValueError(f"rollout {tid}: a step reward is {bad[0]!r}, expected a finite number")
+    members: dict[str, list[str]] = defaultdict(list)
+    for r in rows:
+        members[r["group_id"]].append(r["trajectory_id"])
+    out: dict[str, list[float]] = {}
+    for tids in members.values():
+        every = [v for t in tids for v in process.get(t, [])]
+        mean, std = (sum(every) / len(every) if every else 0.0), _std(every)
+        for t in tids:
+            out[t] = [(v - mean) / (std + EPS) if std else 0.0 for v in process.get(t, [])]
+    return out
+
+
+def process_varied_groups(rows: list[dict[str, Any]], process: dict[str, list[float]]) -> set[str]:
+    """The groups whose step rewards are not all equal.
+
+    >>> process_varied_groups([{"trajectory_id": "a", "group_id": "p"}, {"trajectory_id": "b", "group_id": "q"}],
+    ...                       {"a": [0.5, 0.9], "b": [0.5]})
+    {'p'}
+    """
+    values: dict[str, set[float]] = defaultdict(set)
+    for r in rows:
+        values[r["group_id"]].update(process.get(r["trajectory_id"], []))
+    return {g for g, vs in values.items() if len(vs) > 1}
+
+
+def step_advantages(rows: list[dict[str, Any]], process: dict[str, list[float]], weight: float,
+                    step_keys: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
+    """One row per step of every rollout in `process`: its rollout's row, with `turn_index` the step's key (its
+    index, or `step_keys[tid][k]`: an agent's turn), `process` its step reward, `process_return` the sum of the
+    normalised step rewards from it to the end, and `advantage` the rollout's plus `weight` x `process_return`.
+
+    >>> rows = [{"trajectory_id": "a", "group_id": "p", "advantage": 0.5},
+    ...         {"trajectory_id": "b", "group_id": "p", "advantage": -0.5}]
+    >>> [(r["trajectory_id"], r["turn_index"], round(r["advantage"], 3))
+    ...  for r in step_advantages(rows, {"a": [1.0, 1.0], "b": [0.0]}, 0.5)]
+    [('a', 0, 1.077), ('a', 1, 0.789), ('b', 0, -1.077)]
+    """
+    norm = process_normalised(rows, process)
+    out = []
+    for r in rows:
+        tid = r["trajectory_id"]
+        values, keys = process.get(tid, []), (step_keys or {}).get(tid)
+        if keys is not None and len(keys) != len(values):
+            raise ValueError(f"rollout {tid}: {len(values)} step rewards for {len(keys)} steps")
+        ret = 0.0
+        tail = []
+        for k in reversed(range(len(values))):
+            ret += norm[tid][k]
+            tail.append(r | {"turn_index": keys[k] if keys else k, "process": float(values[k]),
+                             "process_return": ret, "advantage": r["advantage"] + weight * ret})
+        out += reversed(tail)
+    return out
+
+
+def zero_variance_share(rows: list[dict[str, Any]]) -> float:
+    """The share of groups whose rewards are all equal (a group std under 1e-6, as `v_rl_round` counts them, or a
+    group of one).
+
+    >>> zero_variance_share([{"group_id": "p", "group_std": 0.0}, {"group_id": "q", "group_std": 0.5}])
     0.5
     """
-    groups = {r["group_id"]: r["reason"].startswith("every reward") for r in rows}
+    groups = {r["group_id"]: (r["group_std"] or 0.0) < 1e-6 for r in rows}
     return sum(groups.values()) / max(len(groups), 1)

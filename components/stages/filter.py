@@ -95,7 +95,8 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     """recipe grpo: every rollout's advantage against its group (`advantages`), and the groups that train
     (`selections`, purpose grpo): those whose rewards differ, up to filter.max_groups."""
     from components.envs.rollout import is_agent
-    from components.rl.advantages import group_advantages, zero_variance_share
+    from components.rl.advantages import (group_advantages, process_varied_groups, step_advantages,
+                                          zero_variance_share)
 
     cfg = spec.cfg()
     g = cfg.train_policy.grpo
@@ -104,18 +105,30 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     if missing:
         raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
     shaping: dict[str, float] = {}
-    if g.shaping_weight > 0:
+    if g.shaping_weight > 0 and g.credit == "trajectory":
         dense, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], g.shaping_aggregate)
         if dense:
             shaping = {t: g.shaping_weight * v for t, v in dense.items()}
             log("filter", f"rewards shaped by {g.shaping_weight} x {source}")
         else:  # the implicit PRM's first round: the policy is its own reference, every log-ratio 0
             log("filter", "no reward-model scores this round: rewards are the outcome alone")
-    rows = group_advantages([{"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"],
-                              "outcome": outcome[t["trajectory_id"]], "shaping": shaping.get(t["trajectory_id"], 0.0)}
-                             for t in trajs], scale=g.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed)
-    rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round} for r in rows]
-    turn_rows = []
+    process: dict[str, list[float]] = {}
+    if g.credit == "step":
+        steps = steps_by_trajectory(spec.rows("generate", "steps"))
+        labels = spec.rows("score", "step_labels") if spec.has("score") else []
+        process, source = step_rewards(score_rows, labels, {t["trajectory_id"]: len(steps.get(t["trajectory_id"], []))
+                                                            for t in trajs})
+        log("filter", f"step credit: {g.shaping_weight} x the group-normalised {source} of each step and the steps "
+                      f"after it, on {len(process)} of {len(trajs)} rollouts" if process else
+                      "step credit: no step rewards this round (no reward model yet, no Monte Carlo labels): every "
+                      "token gets its rollout's outcome advantage")
+    rollouts = [{"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"], "outcome": outcome[t["trajectory_id"]],
+                 "shaping": shaping.get(t["trajectory_id"], 0.0)} for t in trajs]
+    rows = group_advantages(rollouts, scale=g.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed,
+                            process_varied=process_varied_groups(rollouts, process))
+    rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round, "process": None,
+                 "process_return": None} for r in rows]
+    turn_rows = step_advantages(rows, process, g.shaping_weight) if process else []
     if is_agent(domain_of(spec)):
         # An agent's episode: each assistant turn is credited with its episode's advantage (outcome-only credit;
         # the turn's tokens train on it, its observations are masked out).
@@ -129,11 +142,48 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     groups = {r["group_id"] for r in rows}
     kept = {r["group_id"] for r in rows if r["kept"]}
     share = zero_variance_share(rows)
-    log("filter", f"{len(kept)} of {len(groups)} groups train; {share:.0%} had equal rewards"
+    by_steps = {r["group_id"] for r in rows if r["kept"] and r["reason"] == "process rewards differ"}
+    log("filter", f"{len(kept)} of {len(groups)} groups train"
+                  + (f" ({len(by_steps)} on their step rewards alone)" if by_steps else "")
+                  + f"; {share:.0%} had equal rewards"
                   + ("" if kept else " -- WARNING: no group has a learning signal, the policy carries over"))
     return {"groups": len(groups), "groups_kept": len(kept), "selected": sum(r["kept"] for r in rows),
             "considered": len(rows), "zero_variance_share": share,
-            "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1)}
+            "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1),
+            **({"step_credit_rollouts": len(process)} if g.credit == "step" else {})}
+
+
+def step_rewards(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]],
+                 num_steps: dict[str, int]) -> tuple[dict[str, list[float]], str]:
+    """Each rollout's step rewards, in step order, for step-level credit: a reward model's step scores where the
+    round has them (in RANKERS' order, then a user's), else the Monte Carlo `mc_soft` labels; only rollouts with
+    a value for every one of their `num_steps` steps. ({}, "") where there are none.
+
+    >>> s = [{"trajectory_id": "t", "scorer": "prm", "step_index": i, "aggregate": "step", "value": v}
+    ...      for i, v in enumerate([0.9, 0.2])]
+    >>> step_rewards(s, [], {"t": 2, "u": 1})
+    ({'t': [0.9, 0.2]}, 'prm step scores')
+    >>> step_rewards([], [{"trajectory_id": "u", "step_index": 0, "source": "mc_soft", "value": 0.5}], {"u": 1})
+    ({'u': [0.5]}, 'mc_soft labels')
+    """
+    def complete(values: dict[str, dict[int, float]]) -> dict[str, list[float]]:
+        return {t: [v[i] for i in range(n)] for t, n in num_steps.items()
+                if n and (v := values.get(t)) is not None and all(i in v for i in range(n))}
+
+    by_scorer: dict[str, dict[str, dict[int, float]]] = {}
+    for s in scores:
+        if s["step_index"] >= 0 and s["aggregate"] == "step" and s["scorer"] != "outcome":
+            by_scorer.setdefault(s["scorer"], {}).setdefault(s["trajectory_id"], {})[s["step_index"]] = s["value"]
+    for scorer in (*RANKERS, *sorted(set(by_scorer) - set(RANKERS))):
+        got = complete(by_scorer.get(scorer, {}))
+        if got:
+            return got, f"{scorer} step scores"
+    mc: dict[str, dict[int, float]] = {}
+    for lab in step_labels:
+        if lab["source"] == "mc_soft":
+            mc.setdefault(lab["trajectory_id"], {})[lab["step_index"]] = lab["value"]
+    got = complete(mc)
+    return (got, "mc_soft labels") if got else ({}, "")
 
 
 def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]],

@@ -10,7 +10,8 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.stages.base import (Planner, Stage, copy_model, domain_of, log, model_id, model_row, prompt_format_of,
-                                    selected, sft_examples, train_progress, trainer_settings, write)
+                                    selected, sft_examples, steps_by_trajectory, train_progress, trainer_settings,
+                                    write)
 
 
 @dataclass
@@ -116,7 +117,7 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
     """TRL's GRPO loss on the groups the filter kept, with the advantages it stored (components/training/grpo.py)."""
     from components.envs.rollout import is_agent
     from components.models.backends import PromptEncoder
-    from components.training.grpo import episode_rollout
+    from components.training.grpo import episode_rollout, step_token_advantages
 
     cfg = spec.cfg()
     gen = cfg.generate
@@ -150,18 +151,35 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
         return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0)
     prompts = sorted({t["prompt"] for t in trajs})
     prompt_ids = dict(zip(prompts, encoder.encode(prompts), strict=True))
+    # credit=step: each step's advantage (filter), spread over the tokens that spell the step
+    step_adv: dict[str, dict[int, float]] = {}
+    for a in rows:
+        if a["turn_index"] >= 0:
+            step_adv.setdefault(a["trajectory_id"], {})[a["turn_index"]] = a["advantage"]
+    steps = steps_by_trajectory(spec.rows("generate", "steps")) if step_adv else {}
+
+    def decode(ids: list[int]) -> str:
+        return encoder.tok.decode(ids, skip_special_tokens=True)
+
     retokenized = 0
     rollouts = []
     for t in trajs:
-        ids = t["token_ids"]
+        tid, ids = t["trajectory_id"], t["token_ids"]
         if ids is None:  # a server that returns no ids: the text as the tokenizer reads it, and its EOS
             retokenized += 1
             ids = encoder.tok(t["completion"], add_special_tokens=False)["input_ids"] + encoder.eos_ids[:1]
-        a = adv[t["trajectory_id"]]
-        rollouts.append({"trajectory_id": t["trajectory_id"], "group_id": t["problem_id"],
-                         "prompt_ids": prompt_ids[t["prompt"]], "completion_ids": list(ids),
-                         "reward": a["reward"], "advantage": a["advantage"]})
-    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized)
+        a = adv[tid]
+        advantage: float | list[float] = a["advantage"]
+        if tid in step_adv:
+            by_step = step_adv[tid]
+            advantage = step_token_advantages(decode, list(ids), steps.get(tid, []),
+                                              [by_step[k] for k in sorted(by_step)], where=f"rollout {tid}")
+        rollouts.append({"trajectory_id": tid, "group_id": t["problem_id"], "prompt_ids": prompt_ids[t["prompt"]],
+                         "completion_ids": list(ids), "reward": a["reward"], "advantage": advantage})
+    if step_adv:
+        log("train_policy", f"step credit: {len(step_adv)} of {len(rollouts)} rollouts train on per-token advantages")
+    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized) | (
+        {"step_credit_rollouts": len(step_adv)} if step_adv else {})
 
 
 def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir, rollouts: list[dict[str, Any]],

@@ -43,9 +43,10 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
 # migrated by the first writer); 2 is the DuckLake; 3 adds agent episodes (`turns`, `v_episodes`,
 # `v_tool_stats`), which the first writer of a version-2 store adds; 4 adds `turns.token_ids`; 5 adds recipe
 # grpo's `advantages`, `rollout_logprobs`, `trajectories.token_ids` and `v_rl_round`; 6 adds MCTS's `nodes`
-# and `v_search`; 7 adds `step_pairs.source`, `chosen_q` and `rejected_q` (pairs from a tree). An older
+# and `v_search`; 7 adds `step_pairs.source`, `chosen_q` and `rejected_q` (pairs from a tree); 8 adds
+# `advantages.process` and `process_return` (step-level credit). An older
 # store's first writer adds the tables and columns it lacks. A higher version was made by a newer coevo.
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 

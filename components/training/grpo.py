@@ -138,6 +138,37 @@ def episode_rollout(encoder: Any, trajectory_id: str, group_id: str, messages: l
             "completion_ids": ids[first:], "env_mask": env_mask, "reward": reward, "advantage": advantage}
 
 
+def step_token_advantages(decode: Any, completion_ids: list[int], steps: list[str], advantages: list[float],
+                          where: str = "rollout") -> list[float]:
+    """One advantage per completion token: its step's, where a token belongs to the step its last character
+    falls in (the text `decode` makes of the ids up to it), tokens before the first step to the first, and the
+    rest (the answer line's end, EOS) to the last. `steps` are the completion's steps as the domain cut them,
+    in order, each found in the decoded text after the one before.
+
+    >>> text = "1+2=3\\n3*4=12\\n#### 12"
+    >>> ids = list(range(len(text)))  # one token per character
+    >>> adv = step_token_advantages(lambda ids: text[:len(ids)], ids, ["1+2=3", "3*4=12", "#### 12"], [1.0, -1.0, 0.5])
+    >>> "".join({1.0: "a", -1.0: "b", 0.5: "c"}[a] for a in adv)
+    'aaaaaabbbbbbbccccccc'
+    """
+    if len(steps) != len(advantages) or not steps:
+        raise ValueError(f"train_grpo: {where} has {len(steps)} steps and {len(advantages)} step advantages")
+    text = decode(completion_ids)
+    starts, pos = [], 0
+    for k, step in enumerate(steps):
+        at = text.find(step, pos)
+        if at < 0:
+            raise ValueError(f"train_grpo: {where}'s step {k} ({step[:40]!r}) is not in the text its token ids decode to")
+        starts.append(at)
+        pos = at + len(step)
+    out, end = [], 0
+    for i in range(len(completion_ids)):
+        end = max(end, len(decode(completion_ids[:i + 1])))
+        k = sum(s < end for s in starts) - 1
+        out.append(float(advantages[max(k, 0)]))
+    return out
+
+
 def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[str, Any]], out_dir: str,
                params: GRPOParams, progress_callback: ProgressCallback | None = None
                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -43,6 +43,27 @@ WINDOW g AS (PARTITION BY r.experiment_id, r.round, r.problem_id)
 """
 
 
+STEP_CREDIT = ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=30", "score.reward_model=prm",
+               "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
+# Every step's advantage, recomputed from the stored step rewards: its rollout's advantage plus 0.5 times the sum,
+# from the step to the end, of the step rewards normalised over all steps of its group (docs/grpo.md).
+STEP_RECOMPUTED = """
+WITH s AS (
+    SELECT a.trajectory_id, a.turn_index AS step_index, a.round, a.group_id, a.process, a.advantage,
+           r.advantage AS rollout_advantage
+    FROM advantages a JOIN advantages r ON r.trajectory_id = a.trajectory_id AND r.turn_index = -1
+    WHERE a.experiment_id = ? AND a.turn_index >= 0
+), z AS (
+    SELECT *, (process - avg(process) OVER g) / (coalesce(stddev_samp(process) OVER g, 0) + 1e-4) AS z
+    FROM s WINDOW g AS (PARTITION BY round, group_id)
+), explained AS (
+    SELECT *, rollout_advantage + 0.5 * sum(z) OVER (PARTITION BY trajectory_id ORDER BY step_index DESC) AS from_sql
+    FROM z
+)
+SELECT round, count(*), max(abs(advantage - from_sql)) FROM explained GROUP BY round ORDER BY round
+"""
+
+
 @pytest.fixture(scope="module")
 def grpo_run(prefect_server, tmp_path_factory):
     from flows.evolution import self_evolution
@@ -57,11 +78,16 @@ def grpo_run(prefect_server, tmp_path_factory):
     flat = [f"workdir={w}", *SMALL, "experiment=micro-grpo-flat", "rounds=1", "generate.temperature=0",
             f"policy.model={model['uri']}", "bootstrap.steps=0"]
     self_evolution(config_path=str(CONFIG), overrides=flat)
-    return cfg, store, load_config(CONFIG, flat)
+    # Step-level credit from a PRM trained in the rounds: round 1's step rewards are its Monte Carlo values, round
+    # 2's the PRM round 1 trained on them.
+    step = [f"workdir={w}", *SMALL, "experiment=micro-grpo-step", f"policy.model={model['uri']}", "bootstrap.steps=0",
+            *STEP_CREDIT]
+    self_evolution(config_path=str(CONFIG), overrides=step)
+    return cfg, store, load_config(CONFIG, flat), load_config(CONFIG, step)
 
 
 def test_each_round_is_a_row_of_v_rl_round(grpo_run):
-    cfg, store, _ = grpo_run
+    cfg, store, *_ = grpo_run
     cols, rows = store.query("SELECT * FROM v_rl_round WHERE experiment_id = ? ORDER BY round", [cfg.experiment])
     rounds = [dict(zip(cols, r)) for r in rows]
     assert [r["round"] for r in rounds] == [1, 2]
@@ -82,7 +108,7 @@ def test_each_round_is_a_row_of_v_rl_round(grpo_run):
 
 
 def test_sql_recomputes_every_advantage_and_trl_trained_on_them(grpo_run):
-    cfg, store, _ = grpo_run
+    cfg, store, *_ = grpo_run
     _, rows = store.query(RECOMPUTED, [cfg.experiment])
     assert len(rows) == store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train'",
                                     [cfg.experiment])[1][0][0]
@@ -99,7 +125,7 @@ def test_sql_recomputes_every_advantage_and_trl_trained_on_them(grpo_run):
 
 
 def test_lineage_names_the_rollouts_and_their_logprobs(grpo_run):
-    cfg, store, _ = grpo_run
+    cfg, store, *_ = grpo_run
     _, rows = store.query(
         "SELECT l.trained_round, count(*), count(*) FILTER (WHERE l.selected_for = 'grpo'), "
         "count(*) FILTER (WHERE l.generated_by_model_id = p.parent_model_id), count(lp.trajectory_id), "
@@ -117,7 +143,7 @@ def test_lineage_names_the_rollouts_and_their_logprobs(grpo_run):
 
 
 def test_a_round_without_signal_trains_nothing_and_goes_on(grpo_run):
-    _, store, flat = grpo_run
+    _, store, flat, _ = grpo_run
     cols, rows = store.query("SELECT * FROM v_rl_round WHERE experiment_id = ?", [flat.experiment])
     r = dict(zip(cols, rows[0]))
     assert r["zero_variance_share"] == 1.0 and r["groups_trained"] == 0 and r["optimizer_steps"] == 0
@@ -130,5 +156,39 @@ def test_a_round_without_signal_trains_nothing_and_goes_on(grpo_run):
 
 
 def test_plans_read_what_they_declare(grpo_run, tmp_path):
-    cfg, store, _ = grpo_run
-    assert_plans_read_what_they_declare(cfg, store, tmp_path)
+    cfg, store, _, step = grpo_run
+    assert_plans_read_what_they_declare(cfg, store, tmp_path / "shaped")
+    assert_plans_read_what_they_declare(step, store, tmp_path / "step")  # train_reward in grpo's rounds too
+
+
+def test_step_credit_from_a_prm_trained_in_the_rounds(grpo_run):
+    _, store, _, step = grpo_run
+    exp = step.experiment
+    # The SQL above explains every step's advantage, in both rounds.
+    _, explained = store.query(STEP_RECOMPUTED, [exp])
+    assert [r[0] for r in explained] == [1, 2] and all(n > 0 and gap < 1e-9 for _, n, gap in explained)
+    # Round 1's step rewards are the Monte Carlo values; round 2's, the scores of the PRM that round 1 trained.
+    _, sources = store.query(
+        "SELECT a.round, count(*), count(*) FILTER (WHERE a.process = l.value), "
+        "count(*) FILTER (WHERE a.process = s.value AND s.model_id = p.model_id) "
+        "FROM advantages a LEFT JOIN step_labels l ON l.trajectory_id = a.trajectory_id "
+        "AND l.step_index = a.turn_index AND l.source = 'mc_soft' "
+        "LEFT JOIN scores s ON s.trajectory_id = a.trajectory_id AND s.step_index = a.turn_index AND s.scorer = 'prm' "
+        "LEFT JOIN models p ON p.experiment_id = a.experiment_id AND p.role = 'prm' AND p.round = a.round - 1 "
+        "WHERE a.experiment_id = ? AND a.turn_index >= 0 GROUP BY ALL ORDER BY ALL", [exp])
+    (r1, n1, mc1, _), (r2, n2, _, prm2) = sources
+    assert (r1, r2) == (1, 2) and mc1 == n1 and prm2 == n2
+    # Every rollout has its steps, and a group whose outcomes are all equal trains where its step rewards differ.
+    _, rollouts = store.query(
+        "SELECT r.round, count(DISTINCT r.trajectory_id), count(DISTINCT a.trajectory_id), "
+        "count(*) FILTER (WHERE r.kept AND r.group_std < 1e-6) FROM advantages r "
+        "LEFT JOIN advantages a ON a.trajectory_id = r.trajectory_id AND a.turn_index >= 0 "
+        "WHERE r.experiment_id = ? AND r.turn_index = -1 GROUP BY ALL ORDER BY ALL", [exp])
+    assert all(with_steps >= 0.9 * n for _, n, with_steps, _ in rollouts)
+    assert sum(equal_kept for *_, equal_kept in rollouts) > 0
+    # train_policy spread the step advantages over the tokens of every rollout it trained on
+    _, metrics = store.query("SELECT r.round, r.metrics_json, v.rollouts_trained FROM stage_runs r JOIN v_rl_round v "
+                             "USING (experiment_id, round) WHERE experiment_id = ? AND stage = 'train_policy' AND "
+                             "status = 'committed' ORDER BY round", [exp])
+    assert [r for r, *_ in metrics] == [1, 2]
+    assert all(json.loads(m)["step_credit_rollouts"] == trained > 0 for _, m, trained in metrics)

@@ -46,6 +46,12 @@ def test_micro_grpo_config_loads(repo):
     ({"recipe": "rft"}, "set recipe=grpo"),
     ({"train_policy": {"method": "sft"}}, "train_policy.method=grpo"),
     ({"train_policy": {"method": "grpo", "grpo": {"shaping_weight": 0.5}}}, "score.reward_model=implicit"),
+    ({"train_policy": {"method": "grpo", "grpo": {"credit": "step"}}}, "train_policy.grpo.shaping_weight > 0"),
+    ({"train_policy": {"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}}},
+     "credit=step with score.mc_rollouts > 0"),
+    ({"train_policy": {"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}},
+      "score": {"reward_model": "orm", "mc_rollouts": 2}, "train_reward": {"enabled": True, "orm": True}},
+     "an ORM scores whole rollouts"),
 ])
 def test_config_refuses_what_grpo_cannot_train(sections, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
@@ -55,6 +61,80 @@ def test_config_refuses_what_grpo_cannot_train(sections, says):
 def test_beta_with_a_reference_loads():
     cfg = _cfg(train_policy={"method": "grpo", "grpo": {"beta": 0.04, "reference": "initial"}})
     assert cfg.train_policy.grpo.beta == 0.04
+
+
+def test_a_trained_prm_shapes_each_step_and_trains_in_the_round():
+    """With train_reward.enabled, grpo's rounds train a PRM on their Monte Carlo labels (after score, before the
+    filter), which scores the next round's steps; without it, the stage is not in the round."""
+    from components.recipes import get_recipe
+
+    cfg = _cfg(score={"reward_model": "prm", "mc_rollouts": 2}, train_reward={"enabled": True},
+               train_policy={"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}})
+    grpo = get_recipe("grpo")
+    assert grpo.round_stages(1, cfg) == ["generate", "verify", "score", "train_reward", "filter", "train_policy",
+                                         "evaluate"]
+    assert "train_reward" not in grpo.round_stages(1, _cfg())
+    assert "train_reward" in grpo.round_stages(1)  # every stage the recipe can run, for the forms
+    # Monte Carlo values alone (no reward model) may shape steps, never the whole rollout
+    mc = _cfg(score={"mc_rollouts": 2}, train_policy={"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 1}})
+    assert mc.train_policy.grpo.credit == "step" and "credit" in mc.to_dict()["train_policy"]["grpo"]
+
+
+def test_step_credit_follows_deepseekmath_process_supervision():
+    """Each step's reward is normalised over every step reward in its group; a token's advantage is its rollout's
+    plus the weight times the normalised rewards of its step and the steps after it. A group whose outcomes are
+    all equal trains where its step rewards differ."""
+    from components.rl.advantages import process_varied_groups, step_advantages
+
+    rollouts = [{"trajectory_id": t, "group_id": g, "outcome": o}
+                for t, g, o in (("a", "p", 1.0), ("b", "p", 0.0), ("c", "q", 0.0), ("d", "q", 0.0), ("e", "r", 0.0),
+                                ("f", "r", 0.0))]
+    process = {"a": [0.9, 0.8], "b": [0.9, 0.1], "c": [0.6, 0.2], "d": [0.6], "e": [0.5], "f": [0.5]}
+    varied = process_varied_groups(rollouts, process)
+    assert varied == {"p", "q"}
+    rows = group_advantages(rollouts, process_varied=varied)
+    kept = {r["group_id"]: (r["kept"], r["reason"]) for r in rows}
+    assert kept == {"p": (True, "rewards differ"), "q": (True, "process rewards differ"),
+                    "r": (False, "every reward is 0: no signal")}
+    steps = {(r["trajectory_id"], r["turn_index"]): r for r in step_advantages(rows, process, 0.5)}
+    q = [0.6, 0.2, 0.6]
+    mean, std = sum(q) / 3, math.sqrt(sum((v - sum(q) / 3) ** 2 for v in q) / 2)
+    z = {k: (v - mean) / (std + 1e-4) for k, v in (("c0", 0.6), ("c1", 0.2))}
+    assert steps[("c", 1)]["process_return"] == pytest.approx(z["c1"])
+    assert steps[("c", 0)]["process_return"] == pytest.approx(z["c0"] + z["c1"])
+    assert steps[("c", 0)]["advantage"] == pytest.approx(0 + 0.5 * (z["c0"] + z["c1"]))
+    assert steps[("c", 0)]["process"] == 0.6 and steps[("a", 1)]["advantage"] > steps[("b", 1)]["advantage"]
+    assert all(steps[("e", 0)][k] == 0 for k in ("process_return", "advantage"))  # equal step rewards: no signal
+    with pytest.raises(ValueError, match=r"rollout a: a step reward is nan"):
+        step_advantages(rows, {"a": [float("nan")]}, 0.5)
+
+
+def test_step_advantages_land_on_the_tokens_that_spell_each_step(tmp_path):
+    """On a real byte-level BPE tokenizer, from ids as a model would sample them: every token of a step carries that
+    step's advantage, a token that joins a step's newline to the next step's text carries the next's, and the
+    EOS the last step's."""
+    from components.models.standin import SIZES, domain_texts, train_tokenizer
+    from components.training.grpo import step_token_advantages
+
+    tok = train_tokenizer(domain_texts("arith", n_per_level=60), SIZES["tiny"])
+    completion = "7 + 5 = 12\n12 * 3 = 36\n#### 36"
+    ids = tok(completion, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    steps = DOMAIN.split_steps(completion)
+    assert len(steps) == 3
+    adv = step_token_advantages(lambda x: tok.decode(x, skip_special_tokens=True), ids, steps, [1.0, -1.0, 0.5])
+    assert len(adv) == len(ids) and adv[-1] == 0.5
+    spans = [range(completion.index(s), completion.index(s) + len(s)) for s in steps]
+    before = ""
+    for i, a in enumerate(adv[:-1]):
+        text = tok.decode(ids[:i + 1], skip_special_tokens=True)
+        k = [1.0, -1.0, 0.5].index(a)
+        # every visible character this token adds lies in the text of the step whose advantage it carries
+        assert all(j in spans[k] for j in range(len(before), len(text)) if not text[j].isspace()), (i, text)
+        before = text
+    assert before == completion and adv.count(1.0) > 1 and adv.count(-1.0) > 1
+    with pytest.raises(ValueError, match=r"step 1 \('9 \* 3 = 27'\) is not in the text"):
+        step_token_advantages(lambda x: tok.decode(x, skip_special_tokens=True), ids, ["7 + 5 = 12", "9 * 3 = 27",
+                                                                                       "#### 36"], [0.0] * 3)
 
 
 def test_a_config_without_grpo_hashes_as_before():
