@@ -17,6 +17,9 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   (`generate.search.redraw_temperature`);
 - `coevo-stepdpo`: coevo-outcome whose policy, after its SFT, trains by DPO on step-level pairs from the Monte
   Carlo search (`filter.step_dpo_pairs`, `train_policy.method=sft+dpo`; Step-DPO, MCTS-DPO);
+- `coevo-judge`: coevo-outcome whose judge is the round's own PRM, from round 1: it trains on the wrong answers'
+  labels, the demonstrations and right answers an earlier filter kept, never on the right answers it judges, and
+  re-judges the replay pool (`filter.judge=round`);
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -53,9 +56,11 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # coevo-outcome whose policy also trains by DPO on the Monte Carlo search's step-level pairs, after its SFT.
     "coevo-stepdpo": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.step_dpo_pairs=true",
                                                    "train_policy.method=sft+dpo"]),
+    # coevo-outcome whose judge is the round's own PRM, trained without the round's right answers (filter.judge).
+    "coevo-judge": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo")
+COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge")
 
 
 def _sampler() -> list[str]:

@@ -286,8 +286,14 @@ class FilterConfig(_Section):
         False, description="Drop a right answer when a step's Monte Carlo hard label is 0: no rollout from that "
                            "step reached the answer, so the step is likely wrong (Math-Shepherd).")
     min_step_score: float | None = Field(
-        None, ge=0.0, le=1.0, description="Drop a right answer whose weakest step the previous round's PRM scores "
+        None, ge=0.0, le=1.0, description="Drop a right answer whose weakest step the judge (see judge) scores "
                                           "below this: the PRM as a learned step checker (no effect before a PRM exists).")
+    judge: Literal["previous", "round"] = Field(
+        "previous", exclude_if=lambda v: v == "previous",
+        description="Which PRM judges the round's right answers against min_step_score. 'previous': the previous "
+                    "round's (from round 2). 'round': this round's, from round 1, which train_reward trains without "
+                    "them, on wrong answers' labels, the demonstrations and right answers an earlier filter kept; "
+                    "it also re-judges train_policy's replay pool, so what an earlier judge let in can drop out.")
     dpo_pairs: bool = Field(False, description="Also select DPO pairs: per problem, the best-scored correct "
                                                "trajectory against the worst-scored incorrect one.")
     max_pairs_per_problem: int = Field(1, ge=1)
@@ -692,6 +698,13 @@ class ExperimentConfig(_Section):
             )
         if self.score.reward_model == "orm" and not self.train_reward.orm:
             raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
+        if self.filter.judge == "round":
+            where = "filter.judge=round: this round's PRM judges its right answers"
+            if not self.train_reward.enabled or self.train_policy.method == "grpo":
+                raise ValueError(f"{where}, which train_reward trains in the round (recipe coevo): set "
+                                 "train_reward.enabled=true, or filter.judge=previous")
+            if self.filter.min_step_score is None:
+                raise ValueError(f"{where} against filter.min_step_score: set it (e.g. 0.5)")
         tree_labels = self.train_reward.label_source.startswith("tree_")
         if self.train_reward.enabled and not tree_labels and self.score.mc_rollouts < 1:
             raise ValueError(f"train_reward.label_source={self.train_reward.label_source} needs Monte Carlo step "

@@ -1,5 +1,6 @@
 """`filter`: choose what the policy trains on (the ranker): right answers, deduplicated, ranked by the
-reward model where the round has one, and optionally DPO pairs; under recipe grpo, each rollout's advantage
+reward model where the round has one, judged step by step (filter.min_step_score, by the previous round's PRM or
+with filter.judge=round this round's), and optionally DPO pairs; under recipe grpo, each rollout's advantage
 and the groups that train."""
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def plan(p: Planner) -> Inputs:
     for stage in ("generate", "verify", "score"):
         if stage in p.round_stages:
             p.read(stage)
+    if p.cfg.filter.judge == "round":  # the judge: this round's PRM, trained without the round's right answers
+        p.read("train_reward")
     return Inputs()
 
 
@@ -43,6 +46,10 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     score_rows = spec.rows("score", "scores") if scored else outcome_scores(vers)
     labels = spec.rows("score", "step_labels") if scored else []
     scores, source = ranking_scores(score_rows, labels, f.rank_by)
+    judge_rows = spec.rows("train_reward", "scores") if f.judge == "round" else []
+    if judge_rows:  # the round's right answers are ranked by the judge too, the PRM that never trained on them
+        judged_scores, _ = ranking_scores(judge_rows, [], f.rank_by)
+        scores, source = scores | judged_scores, f"judge {f.rank_by} (right answers)"
     domain = domain_of(spec)
     checker = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
     has_checker = any(v is not None for v in checker.values())
@@ -51,7 +58,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         for lab in sorted(labels, key=lambda r: r["step_index"]):
             if lab["source"] == "mc_hard" and lab["value"] == 0.0:
                 mc_dead.setdefault(lab["trajectory_id"], lab["step_index"])
-    prm_min = {s["trajectory_id"]: s["value"] for s in score_rows if s["scorer"] == "prm" and s["aggregate"] == "min"}
+    prm_min = {s["trajectory_id"]: s["value"] for s in (judge_rows if f.judge == "round" else score_rows)
+               if s["scorer"] == ("judge" if f.judge == "round" else "prm") and s["aggregate"] == "min"}
     ids = [t["trajectory_id"] for t in trajs]
     # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=f.min_step_score)
@@ -211,5 +219,5 @@ def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any
     return {s["trajectory_id"]: s["value"] for s in scores if s["scorer"] == "outcome"}, "outcome"
 
 
-STAGE = Stage(name="filter", section="filter", gpu=False, reads=("generate", "verify", "score"),
+STAGE = Stage(name="filter", section="filter", gpu=False, reads=("generate", "verify", "score", "train_reward"),
               writes=("selections", "advantages"), inputs=Inputs, plan=plan, run=run)

@@ -10,8 +10,8 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.stages.base import (Planner, Stage, copy_model, domain_of, log, model_id, model_row, prompt_format_of,
-                                    selected, sft_examples, steps_by_trajectory, train_progress, trainer_settings,
-                                    write)
+                                    reward_scores, selected, sft_examples, steps_by_trajectory, train_progress,
+                                    trainer_settings, write)
 
 
 @dataclass
@@ -21,6 +21,8 @@ class Inputs:
     replay_ratio: float
     dpo_reference_uri: str | None = None  # where train_policy.method trains on pairs
     dpo_reference_model_id: str | None = None
+    judge_uri: str | None = None  # filter.judge=round: this round's PRM, which re-judges the replay pool
+    judge_model_id: str | None = None
 
 
 def plan(p: Planner) -> Inputs:
@@ -37,6 +39,9 @@ def plan(p: Planner) -> Inputs:
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
         inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
+    if p.cfg.filter.judge == "round" and tp.replay_ratio > 0:
+        judge = p.model(p.round, "prm")
+        inputs.judge_uri, inputs.judge_model_id = judge["uri"], judge["model_id"]
     # This round's selections are new data; earlier rounds' (demos included) are the replay pool.
     p.read("bootstrap", 0)
     if p.committed("import", 0):
@@ -60,6 +65,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         return run_grpo(spec, out, inp, model_dir)
     new = selected(spec, spec.round)
     pool = {tid: t for r in range(spec.round) for tid, t in selected(spec, r).items() if tid not in new}
+    judged_out = rejudge(spec, inp, pool) if inp.judge_uri else set()
+    pool = {tid: t for tid, t in pool.items() if tid not in judged_out}
     chosen = replay_mix(new, pool, inp.replay_ratio, spec.seed)
     examples = sft_examples(spec, [t for _, t, _ in chosen])
     sft_inputs = [{"model_id": model_id(spec), "trajectory_id": tid, "source_round": t["round"], "use": use}
@@ -109,8 +116,26 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
             copy_model(inp.init_uri, model_dir)
     write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, len(model_inputs))],
           model_inputs=model_inputs)
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {"examples": len(examples),
-                                                                                      "dpo_pairs": len(pairs)}
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))} | {
+        "examples": len(examples), "dpo_pairs": len(pairs)} | ({"replay_judged_out": len(judged_out)}
+                                                                if inp.judge_uri else {})
+
+
+def rejudge(spec: StageSpec, inp: Inputs, pool: dict[str, dict[str, Any]]) -> set[str]:
+    """filter.judge=round: the replay pool's earlier right answers (not the demonstrations, round 0), judged again
+    by this round's PRM; those whose weakest step it scores below filter.min_step_score leave the pool."""
+    earlier = [t for t in pool.values() if t["round"] > 0]
+    if not earlier:
+        return set()
+    steps: dict[str, list[str]] = {}
+    for r in sorted({t["round"] for t in earlier}):
+        steps |= steps_by_trajectory(spec.rows("generate", "steps", round=r))
+    threshold = spec.cfg().filter.min_step_score
+    rows = reward_scores(spec, "prm", inp.judge_uri, inp.judge_model_id, earlier, steps)
+    out = {r["trajectory_id"] for r in rows if r["aggregate"] == "min" and r["value"] < threshold}
+    log("train_policy", f"replay re-judged by {inp.judge_model_id}: {len(out)} of {len(earlier)} earlier right "
+                        f"answers score a step below {threshold:g} and leave the pool")
+    return out
 
 
 def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) -> dict[str, float]:

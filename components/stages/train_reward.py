@@ -1,5 +1,9 @@
-"""`train_reward` (recipe coevo): the round's PRM on the Monte Carlo labels of `label_rounds`, and optionally
-an ORM on outcomes."""
+"""`train_reward` (recipe coevo, and grpo with train_reward.enabled): the round's PRM on the Monte Carlo labels of
+`label_rounds`, and optionally an ORM on outcomes.
+
+With `filter.judge: round` the PRM is the judge of the round's own right answers, so it never trains on them: it
+trains on the wrong answers' labels, the demonstrations and the right answers an earlier round's filter kept, then
+scores the round's right answers (`scores`, scorer `judge`) for the filter."""
 
 from __future__ import annotations
 
@@ -9,8 +13,8 @@ from typing import Any
 from components.config import ExperimentConfig
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, domain_of, log, model_input, model_row, prompt_format_of,
-                                    selected, steps_by_trajectory, write)
+from components.stages.base import (Planner, Stage, domain_of, log, model_id, model_input, model_row,
+                                    prompt_format_of, reward_scores, selected, steps_by_trajectory, write)
 
 
 @dataclass
@@ -40,6 +44,9 @@ def plan(p: Planner) -> Inputs:
     for r in rounds:
         for stage in ("generate", "verify", "score"):
             p.read(stage, r)
+    if p.cfg.filter.judge == "round":  # right answers train the judge only once an earlier filter has kept them
+        for r in range(1, p.round):
+            p.read("filter", r)
     if tr.demos:
         p.read("bootstrap", 0)
     if p.committed("import", 0):
@@ -61,10 +68,19 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
         process_batch(ORMParams.batch_size, "the ORM's batch (ORMParams.batch_size)", "train_reward")
     domain = domain_of(spec)
-    examples, decisions, outcome_examples, labelled_round = [], [], [], {}
+    judge = cfg.filter.judge == "round"
+    kept_before = {s["trajectory_id"] for r in range(1, spec.round) if judge
+                   for s in spec.rows("filter", "selections", round=r) if s["selected"] and s["purpose"] == "policy_sft"}
+    examples, decisions, outcome_examples, labelled_round, held_out = [], [], [], {}, []
     for r in inp.label_rounds:
         trajs = spec.rows("generate", "trajectories", round=r)
         steps = steps_by_trajectory(spec.rows("generate", "steps", round=r))
+        if judge:  # a right answer no filter has kept yet is the judge's to judge, not to learn from
+            correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications", round=r)}
+            unjudged = {t["trajectory_id"] for t in trajs if correct.get(t["trajectory_id"]) and
+                        t["trajectory_id"] not in kept_before}
+            trajs = [t for t in trajs if t["trajectory_id"] not in unjudged]
+            held_out += sorted(unjudged) if r == spec.round else []
         labels: dict[str, dict[int, dict[str, float]]] = {}
         for lab in spec.rows("score", "step_labels", round=r):
             labels.setdefault(lab["trajectory_id"], {}).setdefault(lab["step_index"], {})[lab["source"]] = lab["value"]
@@ -79,6 +95,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         examples += ex
         labelled_round |= {e["trajectory_id"]: r for e in ex}
         if r == spec.round:  # each trajectory's decision is made once, in its own round
+            dec += [{"trajectory_id": t, "selected": False, "reason": "held out: a right answer this PRM judges"}
+                    for t in held_out]
             decisions = [d | {"experiment_id": spec.experiment, "round": r, "purpose": "reward_train",
                               "rank": None, "pair_id": None} for d in dec]
         if tr.orm:
@@ -91,11 +109,11 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         examples += imported
         labelled_round |= {e["trajectory_id"]: 0 for e in imported}
         outcome_examples += outcomes if tr.orm else []
-    if not examples:
+    demos = demo_prm_examples(selected(spec, 0, demos_only=True), domain.split_steps, examples) if tr.demos else []
+    if not examples and not (judge and demos):  # a judge's first round may have only wrong answers' labels, or none
         raise RuntimeError(f"{spec.stage_run_id}: no {tr.label_source} step labels in rounds {inp.label_rounds}; "
                            + ("did score.tree label any trajectory?" if tr.label_source.startswith("tree_")
                               else "is score.mc_rollouts > 0?"))
-    demos = demo_prm_examples(selected(spec, 0, demos_only=True), domain.split_steps, examples) if tr.demos else []
     examples += demos
     labelled_round |= {e["trajectory_id"]: 0 for e in demos}
     n_steps = sum(v is not None for e in examples for v in e["labels"])  # None: a step without a label
@@ -127,8 +145,23 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         models.append(model_row(spec, "orm", orm_dir, "orm", None, len(outcome_examples)))
         inputs += [model_input(spec, "orm", e["trajectory_id"], e["round"]) for e in outcome_examples]
         metrics |= {f"orm_{k}": v for k, v in orm_metrics.items() if isinstance(v, (int, float))}
-    write(out, models=models, model_inputs=inputs, selections=decisions)
+    tables: dict[str, list[dict[str, Any]]] = {"models": models, "model_inputs": inputs, "selections": decisions}
+    if judge:
+        tables["scores"] = judge_scores(spec, str(model_dir))
+        metrics |= {"judge_held_out": len(held_out), "judge_scored": sum(r["aggregate"] == "min" for r in tables["scores"])}
+        log("train_reward", f"the PRM judged this round's {metrics['judge_scored']} right answers, none of which it "
+                            f"trained on ({len(held_out)} held out of its labels)")
+    write(out, **tables)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def judge_scores(spec: StageSpec, prm_dir: str) -> list[dict[str, Any]]:
+    """`scores` rows (scorer `judge`) of the PRM just trained at `prm_dir` over the round's right answers."""
+    correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications")}
+    right = [t for t in spec.rows("generate", "trajectories") if correct.get(t["trajectory_id"])]
+    steps = steps_by_trajectory(spec.rows("generate", "steps"))
+    rows = reward_scores(spec, "prm", prm_dir, model_id(spec, "prm"), right, steps) if right else []
+    return [r | {"scorer": "judge"} for r in rows]
 
 
 def _imported_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -157,6 +190,6 @@ def reward_settings(cfg) -> dict:
 
 
 STAGE = Stage(name="train_reward", section="train_reward", gpu=True,
-              reads=("generate", "verify", "score", "bootstrap", "import"),
-              writes=("models", "model_inputs", "selections"), inputs=Inputs, plan=plan, run=run)
+              reads=("generate", "verify", "score", "filter", "bootstrap", "import"),
+              writes=("models", "model_inputs", "selections", "scores"), inputs=Inputs, plan=plan, run=run)
 

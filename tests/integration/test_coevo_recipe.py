@@ -345,3 +345,62 @@ def test_round_zero_is_the_given_model_as_it_is(coevo_run, micro_workdir):
     assert _one(store, "SELECT count(*) FROM model_inputs WHERE model_id=?", [mine["model_id"]]) == 0
     assert _one(store, "SELECT count(*) FROM selections WHERE experiment_id=? AND round=0 AND selected",
                 [cfg.experiment]) > 0
+
+
+# filter.judge=round: each round's PRM judges that round's right answers, and never trained on them.
+JUDGE = ["experiment=micro-coevo-judge", "filter.judge=round", "generate.problems_per_level=24",
+         "generate.search=null", "filter.dpo_pairs=false", "filter.step_dpo_pairs=false", "train_policy.method=sft",
+         "train_reward.steps=60", "evaluate.search=null", "evaluate.best_of_n=[]", "evaluate.problems_per_level=10",
+         "evaluate.maj_k=1"]
+
+
+@pytest.fixture(scope="module")
+def judge_run(prefect_server, micro_workdir, tmp_path_factory):
+    from flows.evolution import self_evolution
+
+    config = REPO / "configs" / "micro-coevo.yaml"
+    overrides = [f"workdir={tmp_path_factory.mktemp('judge')}", *micro_workdir.start_from_round0(), *JUDGE]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg)
+
+
+def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
+    """Round r's PRM trains on wrong answers' labels, the demonstrations and right answers an earlier filter kept;
+    it scores round r's right answers (scorer `judge`), from round 1, and the filter drops those it scores low."""
+    import json
+
+    cfg, store = judge_run
+    exp = cfg.experiment
+    # No PRM trained on a right answer of its own round, nor on one no filter had kept.
+    leaks = store.rows("""
+        SELECT l.trained_round, l.source_round, l.trajectory_id, sel.selected AS kept FROM v_lineage l
+        JOIN verifications v USING (trajectory_id)
+        LEFT JOIN selections sel ON sel.trajectory_id = l.trajectory_id AND sel.purpose = 'policy_sft'
+        WHERE l.experiment_id = ? AND l.role = 'prm' AND l.source_round > 0 AND v.correct""", [exp])
+    assert all(r["source_round"] < r["trained_round"] and r["kept"] for r in leaks)
+    assert any(r["trained_round"] == 2 for r in leaks)  # round 2's PRM learned from round 1's kept answers
+    # Every right answer of a round is held out of that round's PRM, and judged by it.
+    _, per_round = store.query("""
+        SELECT t.round, count(*) AS right_answers,
+               count(*) FILTER (WHERE d.reason LIKE 'held out%' AND NOT d.selected) AS held_out,
+               count(*) FILTER (WHERE j.model_id = p.model_id) AS judged
+        FROM trajectories t JOIN verifications v USING (trajectory_id)
+        LEFT JOIN selections d ON d.trajectory_id = t.trajectory_id AND d.purpose = 'reward_train'
+        LEFT JOIN scores j ON j.trajectory_id = t.trajectory_id AND j.scorer = 'judge' AND j.aggregate = 'min'
+        LEFT JOIN models p ON p.experiment_id = t.experiment_id AND p.round = t.round AND p.role = 'prm'
+        WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct GROUP BY ALL ORDER BY ALL""", [exp])
+    assert [r[0] for r in per_round] == [1, 2] and all(n == held == judged > 0 for _, n, held, judged in per_round)
+    # The filter drops the right answers the judge scores low, from round 1 on, and says so.
+    rows = store.rows("""
+        SELECT sel.round, sel.reason, j.value AS judge_min FROM selections sel
+        JOIN verifications v USING (trajectory_id)
+        JOIN scores j ON j.trajectory_id = sel.trajectory_id AND j.scorer = 'judge' AND j.aggregate = 'min'
+        WHERE sel.experiment_id = ? AND sel.purpose = 'policy_sft' AND v.correct""", [exp])
+    low = [r for r in rows if r["judge_min"] < cfg.filter.min_step_score]
+    assert low and all(r["reason"].startswith("prm: weakest step") for r in low)
+    assert all(not r["reason"].startswith("prm:") for r in rows if r["judge_min"] >= cfg.filter.min_step_score)
+    m = {r: json.loads(x) for r, x in store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id=? "
+                                                  "AND stage = 'train_policy' AND status='committed'", [exp])[1]}
+    assert m[2]["replay_judged_out"] >= 0  # round 2's PRM re-judged the replay pool (round 1's kept answers)
+    assert_plans_read_what_they_declare(cfg, store, tmp_path)

@@ -118,6 +118,11 @@ def test_incompatible_settings_say_what_to_change():
     ({"recipe": "coevo", "train_reward": {"enabled": True}, "filter": {"step_dpo_pairs": True},
       "score": {"mc_rollouts": 4, "mc_strategy": "first_error"}}, "set train_policy.method=sft\\+dpo"),
     ({"generate": {"search": {"redraw_temperature": -1}}}, "generate.search.redraw_temperature"),
+    # The judge that never judged its own training data (issue 29, item 6).
+    ({"filter": {"judge": "round", "min_step_score": 0.5}}, "filter.judge=round: this round's PRM judges its right "
+                                                          "answers, which train_reward trains in the round"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4}, "filter": {"judge": "round"}},
+     "against filter.min_step_score: set it"),
     # MCTS (issue 30): each refusal names the setting.
     ({"generate": {"mcts": {"expansions": 0}}}, "generate.mcts.expansions: Input should be greater than or equal to 1"),
     ({"generate": {"mcts": {"simulations": 0}}}, "generate.mcts.simulations: Input should be greater than or equal"),
