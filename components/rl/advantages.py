@@ -10,7 +10,7 @@ The store keeps every term (`advantages`), and the same numbers come back from S
 (docs/grpo.md). A group whose rewards are all equal carries no signal and is dropped (DAPO's dynamic
 sampling); past `max_groups`, the groups kept are a seeded sample.
 
-With step-level credit (`step_advantages`), each step of a rollout (an agent's assistant turn) gets its own
+With step-level credit (`step_advantages`), each step of a rollout gets its own
 advantage, after DeepSeekMath's process supervision with GRPO (Shao et al. 2024, section 4.1.3): every step's
 process reward is normalised by the mean and std of all step rewards in its group, and a token's advantage is
 its rollout's plus `weight` times the sum of the normalised rewards of its step and the steps after it.
@@ -39,6 +39,11 @@ def _std(xs: list[float]) -> float | None:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
+def _finite(v: Any) -> bool:
+    """A reward: a finite int or float, not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def group_advantages(rollouts: list[dict[str, Any]], scale: Scale = "group", max_groups: int | None = None,
                      seed: int = 0, process_varied: frozenset[str] | set[str] = frozenset()) -> list[dict[str, Any]]:
     """One row per rollout: `outcome` and optional `shaping` summed into `reward`, its group's size, mean and
@@ -59,7 +64,7 @@ def group_advantages(rollouts: list[dict[str, Any]], scale: Scale = "group", max
     for r in rollouts:
         outcome, shaping = r["outcome"], r.get("shaping", 0.0)
         for name, v in (("outcome", outcome), ("shaping", shaping)):
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+            if not _finite(v):
                 raise ValueError(f"rollout {r['trajectory_id']}: its {name} reward is {v!r}, expected a finite number")
         groups[r["group_id"]].append({**r, "shaping": float(shaping), "reward": float(outcome) + float(shaping)})
     every = [x["reward"] for g in groups.values() for x in g]
@@ -97,7 +102,7 @@ def process_normalised(rows: list[dict[str, Any]], process: dict[str, list[float
     {'a': [0.577, 0.577], 'b': [-1.155]}
     """
     for tid, values in process.items():
-        bad = [v for v in values if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)]
+        bad = [v for v in values if not _finite(v)]
         if bad:
             raise ValueError(f"rollout {tid}: a step reward is {bad[0]!r}, expected a finite number")
     members: dict[str, list[str]] = defaultdict(list)
@@ -125,11 +130,10 @@ def process_varied_groups(rows: list[dict[str, Any]], process: dict[str, list[fl
     return {g for g, vs in values.items() if len(vs) > 1}
 
 
-def step_advantages(rows: list[dict[str, Any]], process: dict[str, list[float]], weight: float,
-                    step_keys: dict[str, list[int]] | None = None) -> list[dict[str, Any]]:
-    """One row per step of every rollout in `process`: its rollout's row, with `turn_index` the step's key (its
-    index, or `step_keys[tid][k]`: an agent's turn), `process` its step reward, `process_return` the sum of the
-    normalised step rewards from it to the end, and `advantage` the rollout's plus `weight` x `process_return`.
+def step_advantages(rows: list[dict[str, Any]], process: dict[str, list[float]], weight: float) -> list[dict[str, Any]]:
+    """One row per step of every rollout in `process`: its rollout's row, with `turn_index` the step's index,
+    `process` its step reward, `process_return` the sum of the normalised step rewards from it to the end, and
+    `advantage` the rollout's plus `weight` x `process_return`.
 
     >>> rows = [{"trajectory_id": "a", "group_id": "p", "advantage": 0.5},
     ...         {"trajectory_id": "b", "group_id": "p", "advantage": -0.5}]
@@ -141,14 +145,12 @@ def step_advantages(rows: list[dict[str, Any]], process: dict[str, list[float]],
     out = []
     for r in rows:
         tid = r["trajectory_id"]
-        values, keys = process.get(tid, []), (step_keys or {}).get(tid)
-        if keys is not None and len(keys) != len(values):
-            raise ValueError(f"rollout {tid}: {len(values)} step rewards for {len(keys)} steps")
+        values = process.get(tid, [])
         ret = 0.0
         tail = []
         for k in reversed(range(len(values))):
             ret += norm[tid][k]
-            tail.append(r | {"turn_index": keys[k] if keys else k, "process": float(values[k]),
+            tail.append(r | {"turn_index": k, "process": float(values[k]),
                              "process_return": ret, "advantage": r["advantage"] + weight * ret})
         out += reversed(tail)
     return out

@@ -58,8 +58,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         for lab in sorted(labels, key=lambda r: r["step_index"]):
             if lab["source"] == "mc_hard" and lab["value"] == 0.0:
                 mc_dead.setdefault(lab["trajectory_id"], lab["step_index"])
-    prm_min = {s["trajectory_id"]: s["value"] for s in (judge_rows if f.judge == "round" else score_rows)
-               if s["scorer"] == ("judge" if f.judge == "round" else "prm") and s["aggregate"] == "min"}
+    judge, judge_scorer = (judge_rows, "judge") if f.judge == "round" else (score_rows, "prm")
+    prm_min = {s["trajectory_id"]: s["value"] for s in judge if s["scorer"] == judge_scorer and s["aggregate"] == "min"}
     ids = [t["trajectory_id"] for t in trajs]
     # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=f.min_step_score)

@@ -71,7 +71,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     judge = cfg.filter.judge == "round"
     kept_before = {s["trajectory_id"] for r in range(1, spec.round) if judge
                    for s in spec.rows("filter", "selections", round=r) if s["selected"] and s["purpose"] == "policy_sft"}
-    examples, decisions, outcome_examples, labelled_round, held_out = [], [], [], {}, []
+    examples, decisions, outcome_examples, labelled_round = [], [], [], {}
+    held_out: list[dict[str, Any]] = []  # the round's right answers: the judge's to score, not to learn from
+    held_steps: dict[str, list[str]] = {}
     for r in inp.label_rounds:
         trajs = spec.rows("generate", "trajectories", round=r)
         steps = steps_by_trajectory(spec.rows("generate", "steps", round=r))
@@ -79,8 +81,10 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
             correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications", round=r)}
             unjudged = {t["trajectory_id"] for t in trajs if correct.get(t["trajectory_id"]) and
                         t["trajectory_id"] not in kept_before}
+            if r == spec.round:
+                held_out = sorted((t for t in trajs if t["trajectory_id"] in unjudged), key=lambda t: t["trajectory_id"])
+                held_steps = steps
             trajs = [t for t in trajs if t["trajectory_id"] not in unjudged]
-            held_out += sorted(unjudged) if r == spec.round else []
         labels: dict[str, dict[int, dict[str, float]]] = {}
         for lab in spec.rows("score", "step_labels", round=r):
             labels.setdefault(lab["trajectory_id"], {}).setdefault(lab["step_index"], {})[lab["source"]] = lab["value"]
@@ -95,8 +99,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         examples += ex
         labelled_round |= {e["trajectory_id"]: r for e in ex}
         if r == spec.round:  # each trajectory's decision is made once, in its own round
-            dec += [{"trajectory_id": t, "selected": False, "reason": "held out: a right answer this PRM judges"}
-                    for t in held_out]
+            dec += [{"trajectory_id": t["trajectory_id"], "selected": False,
+                     "reason": "held out: a right answer this PRM judges"} for t in held_out]
             decisions = [d | {"experiment_id": spec.experiment, "round": r, "purpose": "reward_train",
                               "rank": None, "pair_id": None} for d in dec]
         if tr.orm:
@@ -147,21 +151,13 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics |= {f"orm_{k}": v for k, v in orm_metrics.items() if isinstance(v, (int, float))}
     tables: dict[str, list[dict[str, Any]]] = {"models": models, "model_inputs": inputs, "selections": decisions}
     if judge:
-        tables["scores"] = judge_scores(spec, str(model_dir))
+        rows = reward_scores(spec, "prm", str(model_dir), model_id(spec, "prm"), held_out, held_steps) if held_out else []
+        tables["scores"] = [r | {"scorer": "judge"} for r in rows]
         metrics |= {"judge_held_out": len(held_out), "judge_scored": sum(r["aggregate"] == "min" for r in tables["scores"])}
         log("train_reward", f"the PRM judged this round's {metrics['judge_scored']} right answers, none of which it "
                             f"trained on ({len(held_out)} held out of its labels)")
     write(out, **tables)
     return {k: float(v) for k, v in metrics.items()}
-
-
-def judge_scores(spec: StageSpec, prm_dir: str) -> list[dict[str, Any]]:
-    """`scores` rows (scorer `judge`) of the PRM just trained at `prm_dir` over the round's right answers."""
-    correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications")}
-    right = [t for t in spec.rows("generate", "trajectories") if correct.get(t["trajectory_id"])]
-    steps = steps_by_trajectory(spec.rows("generate", "steps"))
-    rows = reward_scores(spec, "prm", prm_dir, model_id(spec, "prm"), right, steps) if right else []
-    return [r | {"scorer": "judge"} for r in rows]
 
 
 def _imported_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

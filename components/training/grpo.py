@@ -39,6 +39,7 @@ from components.training.common import (ProgressCallback, check_dtype, keep_safe
 from components.training.lora import LoraParams, lora_config, save_lora
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+DECODE_WINDOW = 8  # step_token_advantages: tokens of context each token is decoded with
 KEYS = ("trajectory_id", "group_id", "prompt_ids", "completion_ids", "reward", "advantage")
 
 
@@ -141,7 +142,7 @@ def episode_rollout(encoder: Any, trajectory_id: str, group_id: str, messages: l
 def step_token_advantages(decode: Any, completion_ids: list[int], steps: list[str], advantages: list[float],
                           where: str = "rollout") -> list[float]:
     """One advantage per completion token: its step's, where a token belongs to the step its last character
-    falls in (the text `decode` makes of the ids up to it), tokens before the first step to the first, and the
+    falls in (in the text `decode` makes of the ids), tokens before the first step to the first, and the
     rest (the answer line's end, EOS) to the last. `steps` are the completion's steps as the domain cut them,
     in order, each found in the decoded text after the one before.
 
@@ -161,9 +162,12 @@ def step_token_advantages(decode: Any, completion_ids: list[int], steps: list[st
             raise ValueError(f"train_grpo: {where}'s step {k} ({step[:40]!r}) is not in the text its token ids decode to")
         starts.append(at)
         pos = at + len(step)
+    # Each token's end in the text: the previous end plus what the token adds, decoded in a window of the tokens
+    # before it (a token may complete a character they began), so the cost stays linear in the length.
     out, end = [], 0
     for i in range(len(completion_ids)):
-        end = max(end, len(decode(completion_ids[:i + 1])))
+        window = completion_ids[max(0, i - DECODE_WINDOW):i]
+        end += max(0, len(decode(window + [completion_ids[i]])) - len(decode(window)))
         k = sum(s < end for s in starts) - 1
         out.append(float(advantages[max(k, 0)]))
     return out
