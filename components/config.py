@@ -779,7 +779,8 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{where}: its turns are chat messages with tool calls; set policy.prompt_format=chat and "
                              "policy.model to a model with a chat template (`coevo build-model --domain "
                              f"{self.domain.name}` makes a stand-in)")
-        unsupported = {"score.mc_rollouts": self.score.mc_rollouts != 0,
+        unsupported = {"score.mc_strategy=first_error": self.score.mc_rollouts != 0
+                       and self.score.mc_strategy == "first_error",
                        "score.reward_model": self.score.reward_model != "none",
                        "train_reward.enabled": self.train_reward.enabled,
                        "generate.search": self.generate.search is not None,
@@ -792,8 +793,9 @@ class ExperimentConfig(_Section):
                        "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
-            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (Monte Carlo turn labels, "
-                             "reward models and DPO on episodes are still to come); use recipe rft with their defaults")
+            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (reward models, search "
+                             "and DPO on episodes are still to come); Monte Carlo turn labels "
+                             "(score.mc_rollouts, mc_strategy every_prefix) and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

@@ -188,6 +188,8 @@ class EpisodeRecord:
     error: str | None = None  # the traceback, where the environment raised
     env_s: float = 0.0  # wall time inside the environment
     gen_s: float = 0.0  # wall time generating
+    replay_mismatch: bool = False  # resumed from a stored prefix that the environment answered otherwise
+    replay_done: bool = False  # ... and that the environment ended while it was replayed
 
 
 class EpisodeRunner:
@@ -198,30 +200,40 @@ class EpisodeRunner:
     assistant message, so the next turn's prompt extends them). A finish_reason of "context" means the
     conversation no longer fits the model: the episode ends as `truncated_context`. `parse(text) -> Action` is
     the chat format's tool-call parser. An environment that raises ends that episode alone, as `error`, with its
-    traceback."""
+    traceback.
+
+    An episode may resume from a stored conversation (`prefixes`, one per episode or None): after `reset`, its
+    assistant turns are replayed into the episode, so the environment stands where it stood, and the loop goes
+    on from there. Its turns count against `max_turns`; its wall time starts again. Where the environment
+    answers the replay with other observations than the stored ones (an environment that is not
+    deterministic), the conversation keeps the stored ones and `replay_mismatch` says so."""
 
     def __init__(self, generate: Callable[[list[list[Message]]], list[tuple[str, int, str]]],
                  parse: Callable[[str], Action], limits: EpisodeLimits):
         self.generate, self.parse, self.limits = generate, parse, limits
 
-    def run(self, episodes: list[tuple[Problem, Episode]]) -> list[EpisodeRecord]:
+    def run(self, episodes: list[tuple[Problem, Episode]],
+            prefixes: list[list[Message] | None] | None = None) -> list[EpisodeRecord]:
         records: list[EpisodeRecord] = []
         live: list[tuple[EpisodeRecord, Episode, float]] = []
-        for problem, ep in episodes:
+        for k, (problem, ep) in enumerate(episodes):
             rec = EpisodeRecord(problem, [], [], 0.0, "done")
             t0 = time.perf_counter()
             try:
                 rec.messages = list(ep.reset())
+                prefix = prefixes[k] if prefixes is not None else None
+                if prefix is not None:
+                    self._replay(rec, ep, prefix)
                 rec.turns = [Turn(i, m["role"], m["content"]) for i, m in enumerate(rec.messages)]
             except Exception:
                 rec.status, rec.error = "error", traceback.format_exc()
             rec.env_s += time.perf_counter() - t0
             records.append(rec)
-            if rec.status != "error":
+            if rec.status == "done" and _assistant_turns(rec) >= self.limits.max_turns:
+                rec.status = "truncated_turns"
+            if rec.status == "done" and not rec.replay_done:
                 live.append((rec, ep, time.monotonic()))
-        turn = 0
         while live:
-            turn += 1
             t0 = time.perf_counter()
             outs = self.generate([rec.messages for rec, _, _ in live])
             gen = (time.perf_counter() - t0) / len(live)
@@ -257,7 +269,7 @@ class EpisodeRunner:
                     rec.turns[-1 - len(result.observations)].reward = result.reward
                 if result.done:
                     rec.reward, rec.status = float(result.reward or 0.0), "done"
-                elif turn >= self.limits.max_turns:
+                elif _assistant_turns(rec) >= self.limits.max_turns:
                     rec.status = "truncated_turns"
                 elif time.monotonic() - started > self.limits.max_wall_s:
                     rec.status = "truncated_time"
@@ -265,3 +277,28 @@ class EpisodeRunner:
                     still.append((rec, ep, started))
             live = still
         return records
+
+    def _replay(self, rec: EpisodeRecord, ep: Episode, prefix: list[Message]) -> None:
+        """Step `ep` through `prefix`'s assistant turns; `rec.messages` becomes the prefix, as stored."""
+        start = rec.messages
+        if [(m["role"], m["content"]) for m in prefix[:len(start)]] != [(m["role"], m["content"]) for m in start]:
+            rec.replay_mismatch = True
+        for k, m in enumerate(prefix):
+            if m["role"] != "assistant":
+                continue
+            result = ep.step(self.parse(m["content"]))
+            stored = []
+            for later in prefix[k + 1:]:
+                if later["role"] == "assistant":
+                    break
+                stored.append((later["role"], later["content"]))
+            if [(o["role"], o["content"]) for o in result.observations] != stored:
+                rec.replay_mismatch = True
+            if result.done:  # the stored conversation went on, this replay cannot
+                rec.reward, rec.replay_done, rec.replay_mismatch = float(result.reward or 0.0), True, True
+                break
+        rec.messages = [dict(m) for m in prefix]
+
+
+def _assistant_turns(rec: EpisodeRecord) -> int:
+    return sum(m["role"] == "assistant" for m in rec.messages)

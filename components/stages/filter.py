@@ -5,6 +5,7 @@ and the groups that train."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,11 +139,7 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
                  "process_return": None} for r in rows]
     turn_rows = step_advantages(rows, process, g.shaping_weight) if process else []
     if is_agent(domain_of(spec)):
-        # An agent's episode: each assistant turn is credited with its episode's advantage (outcome-only credit;
-        # the turn's tokens train on it, its observations are masked out).
-        by_tid = {r["trajectory_id"]: r for r in rows}
-        turn_rows = [by_tid[u["trajectory_id"]] | {"turn_index": u["turn_index"]}
-                     for u in spec.rows("generate", "turns") if u["role"] == "assistant" and u["trajectory_id"] in by_tid]
+        turn_rows = episode_turn_rows(rows, turn_rows, spec.rows("generate", "turns"))
     selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
                    "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}
                   for r in rows]
@@ -159,6 +156,33 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
             "considered": len(rows), "zero_variance_share": share,
             "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1),
             **({"step_credit_rollouts": len(process)} if g.credit == "step" else {})}
+
+
+def episode_turn_rows(rows: list[dict[str, Any]], step_rows: list[dict[str, Any]],
+                      turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An agent's episodes, one `advantages` row per assistant turn, keyed by the turn's `turn_index` in `turns`:
+    its step's row where the episode has step credit (its steps are its assistant turns, in order), else its
+    episode's row (outcome-only credit). The turn's tokens train on it; its observations are masked out.
+
+    >>> rows = [{"trajectory_id": "e", "advantage": 0.5}, {"trajectory_id": "f", "advantage": -0.5}]
+    >>> steps = [{"trajectory_id": "e", "turn_index": 0, "advantage": 0.9},
+    ...          {"trajectory_id": "e", "turn_index": 1, "advantage": 0.1}]
+    >>> turns = [{"trajectory_id": t, "turn_index": i, "role": r} for t in "ef"
+    ...          for i, r in enumerate(["user", "assistant", "tool", "assistant"])]
+    >>> [(r["trajectory_id"], r["turn_index"], r["advantage"]) for r in episode_turn_rows(rows, steps, turns)]
+    [('e', 1, 0.9), ('e', 3, 0.1), ('f', 1, -0.5), ('f', 3, -0.5)]
+    """
+    by_tid = {r["trajectory_id"]: r for r in rows}
+    by_step = {(r["trajectory_id"], r["turn_index"]): r for r in step_rows}
+    out, seen = [], Counter()
+    for u in sorted(turns, key=lambda u: (u["trajectory_id"], u["turn_index"])):
+        tid = u["trajectory_id"]
+        if u["role"] != "assistant" or tid not in by_tid:
+            continue
+        step = seen[tid]
+        seen[tid] += 1
+        out.append(by_step.get((tid, step), by_tid[tid]) | {"turn_index": u["turn_index"]})
+    return out
 
 
 def step_rewards(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]],

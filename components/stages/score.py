@@ -10,9 +10,11 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
+from components.envs.rollout import is_agent
 from components.seeding import derive_seed
-from components.stages.base import (Planner, Stage, backend_metrics, backend_of, domain_of, log, merged_counts,
-                                    problems_by_id, reward_model_of, reward_scores, steps_by_trajectory, write)
+from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
+                                    merged_counts, problems_by_id, reward_model_of, reward_scores, steps_by_trajectory,
+                                    write)
 
 
 @dataclass
@@ -72,8 +74,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     labels: list[dict[str, Any]] = []
     pairs: list[dict[str, Any]] = []  # step-level preference pairs, from the first_error search
     items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"], "prompt": t["prompt"],
-              "steps": steps.get(t["trajectory_id"], []), "answer_ref": problems[t["problem_id"]].answer}
-             for t in trajs]
+              "steps": steps.get(t["trajectory_id"], []), "answer_ref": problems[t["problem_id"]].answer,
+              "problem": problems[t["problem_id"]]} for t in trajs]
     if sc.mc_rollouts:
         correct = {v["trajectory_id"]: v["correct"] for v in vers}
         if sc.mc_strategy == "first_error":
@@ -96,7 +98,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         backend = backend_of(spec, inp.policy_uri)
         kw = dict(k=sc.mc_rollouts, temperature=sc.mc_temperature,
                   max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
-        if sc.mc_strategy == "first_error":
+        if is_agent(domain):
+            mc, stats = _turn_labels(spec, domain, backend, inp, todo, correct)
+        elif sc.mc_strategy == "first_error":
             mc, stats, pairs = mc_first_error_labels(domain, backend, todo, **kw)
             stats["step_pairs"] = len(pairs)
         else:
@@ -105,7 +109,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics |= {f"mc_{k}": float(v) for k, v in stats.items()} | {"mc_seconds": time.perf_counter() - t0}
         metrics |= backend_metrics(backend)
         log("score", f"{stats['rollouts']} rollouts from {stats['unique_prefixes']} distinct prefixes, "
-                     f"{stats['generated_tokens']} tokens")
+                     f"{stats['generated_tokens']} tokens"
+                     + (f"; {stats['replay_mismatches']} resumed episodes whose environment answered the stored "
+                        "turns otherwise (WARNING: not deterministic)" if stats.get("replay_mismatches") else ""))
     nodes: list[dict[str, Any]] = []  # the trees score grows (score.tree.search)
     if sc.tree is not None:
         correct = {v["trajectory_id"]: v["correct"] for v in vers}
@@ -134,6 +140,27 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
     write(out, scores=rows, step_labels=labels, step_pairs=pairs, nodes=nodes)
     return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None)
+
+
+def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: list[dict[str, Any]],
+                 correct: dict[str, bool | None]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """An environment's Monte Carlo labels: each assistant turn valued by going on from it, with its observations,
+    k times (`components.envs.labels`)."""
+    from components.envs.labels import mc_turn_labels
+    from components.envs.rollout import conversations
+
+    cfg = spec.cfg()
+    sc = cfg.score
+    chats = conversations(spec.rows("generate", "turns"))
+    missing = [it["trajectory_id"] for it in items if it["trajectory_id"] not in chats]
+    if missing:
+        raise RuntimeError(f"{spec.stage_run_id}: {len(missing)} episodes to label have no stored turns "
+                           f"(first: {missing[0]})")
+    todo = [{"trajectory_id": it["trajectory_id"], "problem": it["problem"], "messages": chats[it["trajectory_id"]],
+             "correct": correct.get(it["trajectory_id"])} for it in items]
+    sampler = agent_sampler(backend, inp.policy_uri, temperature=sc.mc_temperature, top_p=1.0,
+                            max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
+    return mc_turn_labels(env, sampler, todo, k=sc.mc_rollouts)
 
 
 def _grow_trees(spec: StageSpec, inp: Inputs, trajs: list[dict[str, Any]], steps: dict[str, list[str]],

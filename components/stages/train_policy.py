@@ -173,7 +173,11 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
                                     adv[t["trajectory_id"]]["reward"],
                                     [v for _, v in sorted(turn_adv.get(t["trajectory_id"], {}).items())])
                     for t in trajs]
-        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0)
+        per_turn = sum(isinstance(r["advantage"], list) for r in rollouts)
+        if per_turn:
+            log("train_policy", f"turn credit: {per_turn} of {len(rollouts)} episodes train each turn on its own "
+                                "advantage")
+        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0) | {"turn_credit_rollouts": per_turn}
     prompts = sorted({t["prompt"] for t in trajs})
     prompt_ids = dict(zip(prompts, encoder.encode(prompts), strict=True))
     # credit=step: each step's advantage (filter), spread over the tokens that spell the step

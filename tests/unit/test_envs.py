@@ -334,3 +334,61 @@ def test_an_environment_written_for_skyrl_gym_runs_in_a_few_lines():
     [rec] = EpisodeRunner(scripted({p.prompt: ["3", "9", "7"]}), toolcalls.parse, EpisodeLimits(max_turns=4)).run(
         [(p, env.episode(p))])
     assert rec.reward == 1.0 and [t.content for t in rec.turns if t.role == "user"][1:] == ["higher", "lower"]
+
+
+def test_monte_carlo_turn_labels_go_on_from_each_turn_with_what_it_observed():
+    from components.envs.labels import mc_turn_labels
+
+    env = get_env("calculator")
+    p = env.sample_problems(3, 1, seed=0)[0]
+    expression = p.prompt.removeprefix("What is ").removesuffix("?")
+    right, wrong = (toolcalls.format_call("calculate", {"expression": e}) for e in (expression, "1+1"))
+    episodes = {"a": [right, f"#### {p.answer}"], "b": [wrong, "#### 2"], "c": [right, "#### 7"]}
+    items = []
+    for tid, turns in episodes.items():
+        [rec] = EpisodeRunner(scripted({p.prompt: turns}), toolcalls.parse, env.limits).run([(p, env.episode(p))])
+        items.append({"trajectory_id": tid, "problem": p, "messages": rec.messages, "correct": rec.reward >= 1.0})
+    calls = []
+
+    def answers_what_it_read(conversations):
+        """Answers with the last observation, every other conversation of a batch one off it."""
+        calls.append(len(conversations))
+        return [(f"#### {int([m['content'] for m in c if m['role'] == 'tool'][-1]) + i % 2}", 2, "stop")
+                for i, c in enumerate(conversations)]
+
+    rows, stats = mc_turn_labels(env, answers_what_it_read, items, k=4)
+    soft = {(r["trajectory_id"], r["step_index"]): (r["value"], r["num_rollouts"]) for r in rows
+            if r["source"] == "mc_soft"}
+    # From the right call's observation half the continuations answer right; from the wrong call's, none can.
+    # The last turn is the episode's own outcome.
+    assert soft == {("a", 0): (0.5, 4), ("a", 1): (1.0, 0), ("b", 0): (0.0, 4), ("b", 1): (0.0, 0),
+                    ("c", 0): (0.5, 4), ("c", 1): (0.0, 0)}
+    assert {(r["trajectory_id"], r["step_index"]): r["value"] for r in rows if r["source"] == "mc_hard"}[("a", 0)] == 1
+    # a and c open with the same call: one prefix, rolled out once; all 8 continuations in one batch.
+    assert (stats["unique_prefixes"], stats["rollouts"], stats["replay_mismatches"], calls) == (2, 8, 0, [8])
+
+
+def test_a_resumed_episode_has_its_environment_replayed_to_where_it_stood():
+    """A stateful environment (TRL's style: a counter): going on from a turn needs the state that turn left."""
+    from components.envs.labels import mc_turn_labels
+
+    env = TrlEnv(Counter, [{"prompt": [{"role": "user", "content": f"Count ({i})."}], "target": 5} for i in range(40)],
+                 name="counter")
+    p = env.sample_problems(1, 1, seed=0)[0]
+    add = {n: toolcalls.format_call("add", {"n": n}) for n in (2, 3)}
+    [rec] = EpisodeRunner(scripted({p.prompt + "\n\nReach 5.": [add[3], add[3], "done"]}), toolcalls.parse,
+                          env.limits).run([(p, env.episode(p))])
+    assert rec.reward == 0.0  # 3 + 3 overshoots
+    edited = [dict(m) for m in rec.messages]
+    edited[3]["content"] = "4"  # a stored observation the environment would not give
+
+    def adds_two_to_three(conversations):
+        return [(add[2] if c[-1]["content"] == "3" else "done", 1, "stop") for c in conversations]
+
+    items = [{"trajectory_id": "t", "problem": p, "messages": rec.messages, "correct": False},
+             {"trajectory_id": "u", "problem": p, "messages": edited, "correct": False}]
+    rows, stats = mc_turn_labels(env, adds_two_to_three, items, k=2)
+    soft = {(r["trajectory_id"], r["step_index"]): r["value"] for r in rows if r["source"] == "mc_soft"}
+    # After the first add the counter stood at 3: adding 2 reaches 5. Replayed from 0 it would stand at 2.
+    assert soft == {("t", 0): 1.0, ("t", 1): 0.0, ("t", 2): 0.0, ("u", 0): 0.0, ("u", 1): 0.0, ("u", 2): 0.0}
+    assert stats["replay_mismatches"] == 4  # u's two prefixes, rolled out twice each

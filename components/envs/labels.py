@@ -1,0 +1,76 @@
+"""Monte Carlo turn labels for agent episodes: Math-Shepherd's step values, where a step is an assistant turn.
+
+    items = [{"trajectory_id": "t1", "problem": problem, "messages": conversations(turns)["t1"], "correct": False}]
+    rows, stats = mc_turn_labels(env, sampler, items, k=4)
+
+An episode's assistant turn i is valued by going on from it k times: the conversation up to the next assistant
+turn (turn i's observations included) is resumed with the policy, the environment replayed to where it stood
+(`EpisodeRunner.run(..., prefixes=...)`), and each continuation runs to its end under the environment's
+limits. The soft label is the share of continuations the environment scores right, the hard label whether any
+is. The last assistant turn is labelled by the episode's own verification: nothing is left to go on with
+(`labeling.mc_step_labels` does the same for text). Identical prefixes, as when episodes of one problem open
+with the same tool call, are rolled out once and share their label. Rows are `step_labels` rows, `step_index`
+the assistant turn's place among the episode's assistant turns (its `steps` row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from components.envs import toolcalls
+from components.envs.base import EpisodeRunner, Message
+from components.labeling import _rows, mc_value
+
+
+def _key(problem_id: str, messages: list[Message]) -> tuple:
+    return (problem_id, *((m["role"], m["content"]) for m in messages))
+
+
+def turn_prefixes(messages: list[Message]) -> list[list[Message]]:
+    """The conversation after each assistant turn but the last, up to the next one: what going on from it sees.
+
+    >>> chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+    ...         {"role": "tool", "content": "o"}, {"role": "assistant", "content": "b"}]
+    >>> [[m["content"] for m in p] for p in turn_prefixes(chat)]
+    [['q', 'a', 'o']]
+    """
+    starts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return [messages[:nxt] for nxt in starts[1:]]
+
+
+def mc_turn_labels(env: Any, generate: Any, items: list[dict[str, Any]], k: int,
+                   ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """`mc_soft` and `mc_hard` rows for every assistant turn of every item, and the rollouts' stats.
+
+    `generate` is the agent loop's policy (a `ChatSampler`, or a scripted one); every continuation of every
+    prefix steps in one batch per turn. Items are {"trajectory_id", "problem", "messages" (the stored chat,
+    sampled ids on the assistant turns), "correct"}; an item whose outcome is unknown (an episode the
+    environment failed) or that has no assistant turn gets no labels."""
+    if k < 1:
+        raise ValueError(f"mc_turn_labels: k must be >= 1, got {k}")
+    items = [it for it in items if it["correct"] is not None and any(m["role"] == "assistant" for m in it["messages"])]
+    slots: dict[tuple, tuple[Any, list[Message]]] = {}
+    for it in items:
+        for prefix in turn_prefixes(it["messages"]):
+            slots.setdefault(_key(it["problem"].problem_id, prefix), (it["problem"], prefix))
+    order = list(slots)
+    runs = [(slots[key], j) for key in order for j in range(k)]
+    records = EpisodeRunner(generate, toolcalls.parse, env.limits).run(
+        [(problem, env.episode(problem)) for (problem, _), _ in runs], prefixes=[prefix for (_, prefix), _ in runs])
+    outcomes: dict[tuple, list[bool]] = {key: [] for key in order}
+    for ((problem, prefix), _), rec in zip(runs, records, strict=True):
+        outcomes[_key(problem.problem_id, prefix)].append(rec.status == "done" and rec.reward >= 1.0)
+    rows: list[dict[str, Any]] = []
+    for it in items:
+        prefixes = turn_prefixes(it["messages"])
+        for i, prefix in enumerate(prefixes):
+            rows += _rows(it["trajectory_id"], i, *mc_value(outcomes[_key(it["problem"].problem_id, prefix)]), k)
+        final = float(bool(it["correct"]))
+        rows += _rows(it["trajectory_id"], len(prefixes), final, final, 0)
+    stats = {"trajectories": len(items), "steps": sum(len(turn_prefixes(it["messages"])) + 1 for it in items),
+             "unique_prefixes": len(order), "rollouts": len(runs),
+             # a resumed episode's stored turns carry no token count: these are the continuations' own
+             "generated_tokens": sum(t.num_tokens or 0 for rec in records for t in rec.turns if t.role == "assistant"),
+             "replay_mismatches": sum(rec.replay_mismatch for rec in records),
+             "rollout_errors": sum(rec.status == "error" for rec in records)}
+    return rows, stats
