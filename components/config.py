@@ -781,8 +781,8 @@ class ExperimentConfig(_Section):
                              f"{self.domain.name}` makes a stand-in)")
         unsupported = {"score.mc_strategy=first_error": self.score.mc_rollouts != 0
                        and self.score.mc_strategy == "first_error",
-                       "score.reward_model": self.score.reward_model != "none",
-                       "train_reward.enabled": self.train_reward.enabled,
+                       f"score.reward_model={self.score.reward_model}": self.score.reward_model not in ("none", "prm"),
+                       "train_reward.orm": self.train_reward.enabled and self.train_reward.orm,
                        "generate.search": self.generate.search is not None,
                        "generate.mcts": self.generate.mcts is not None,
                        "score.tree": self.score.tree is not None,
@@ -793,9 +793,9 @@ class ExperimentConfig(_Section):
                        "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
-            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (reward models, search "
-                             "and DPO on episodes are still to come); Monte Carlo turn labels "
-                             "(score.mc_rollouts, mc_strategy every_prefix) and grpo's step credit work")
+            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (the implicit PRM, the "
+                             "ORM, search and DPO on episodes are still to come); Monte Carlo turn labels "
+                             "(score.mc_rollouts, mc_strategy every_prefix), the PRM and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

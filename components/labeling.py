@@ -274,20 +274,22 @@ def prm_examples(items: list[dict[str, Any]], labels: dict[str, dict[int, dict[s
     return examples, decisions
 
 
-def demo_prm_examples(demos: dict[str, dict[str, Any]], split_steps: Any,
+def demo_prm_examples(demos: dict[str, dict[str, Any]], steps_of: Any,
                       examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """PRM examples from gold demonstrations (trajectory id -> its row), every step good, in id order,
-    skipping texts already among `examples` or repeated (`train_reward.demos`).
+    skipping texts already among `examples` or repeated (`train_reward.demos`). `steps_of(trajectory_id, row)`
+    gives a demonstration's steps: the domain's split of its completion, or an episode's turns.
 
     >>> demos = {"d2": {"prompt": "p", "completion": "x\\ny\\n"}, "d1": {"prompt": "q", "completion": "x\\n"}}
-    >>> got = demo_prm_examples(demos, str.splitlines, [{"prompt": "q", "completions": ["x"]}])
+    >>> got = demo_prm_examples(demos, lambda tid, t: t["completion"].splitlines(),
+    ...                         [{"prompt": "q", "completions": ["x"]}])
     >>> [(e["trajectory_id"], e["completions"], e["labels"]) for e in got]
     [('d2', ['x', 'y'], [True, True])]
     """
     seen = {(e["prompt"], tuple(e["completions"])) for e in examples}
     out = []
     for tid, t in sorted(demos.items()):
-        steps = split_steps(t["completion"])
+        steps = steps_of(tid, t)
         if steps and (t["prompt"], tuple(steps)) not in seen:
             seen.add((t["prompt"], tuple(steps)))
             out.append({"prompt": t["prompt"], "completions": steps, "labels": [True] * len(steps), "trajectory_id": tid})

@@ -161,6 +161,28 @@ def conversations(turns: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
     return out
 
 
+def episode_steps(turns: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Each episode's steps as a reward model reads them, from `turns` rows: each assistant turn followed by the
+    observations it got, marked as the transcript marks them. Joined by newlines they are the transcript
+    (`trajectories.completion`), and step i is what Monte Carlo turn label i values: the conversation up to the
+    next assistant turn.
+
+    >>> rows = [{"trajectory_id": "e", "turn_index": i, "role": r, "content": c, "tool_name": n}
+    ...         for i, (r, c, n) in enumerate([("system", "s", None), ("user", "q", None), ("assistant", "call", None),
+    ...                                        ("tool", "4", "calculate"), ("assistant", "#### 4", None)])]
+    >>> episode_steps(rows)
+    {'e': ['call\\n[tool:calculate] 4', '#### 4']}
+    """
+    out: dict[str, list[str]] = {}
+    for t in sorted(turns, key=lambda t: (t["trajectory_id"], t["turn_index"])):
+        steps = out.setdefault(t["trajectory_id"], [])
+        if t["role"] == "assistant":
+            steps.append(t["content"])
+        elif steps:  # an observation after an assistant turn; the system and first user messages come before any
+            steps[-1] += f"\n[{t['role']}{':' + t['tool_name'] if t['tool_name'] else ''}] {t['content']}"
+    return {tid: steps for tid, steps in out.items() if steps}
+
+
 def verification_rows(env: Any, batch: EpisodeBatch, version: str) -> list[dict[str, Any]]:
     """`verifications` rows from the loop's own outcome rewards (the evaluate stage: it holds the records)."""
     return [_verification(env, t, version, lambda t=t: batch.rewards[t["trajectory_id"]]) for t in batch.trajectories]

@@ -225,6 +225,16 @@ def steps_by_trajectory(steps: list[dict[str, Any]]) -> dict[str, list[str]]:
     return out
 
 
+def reward_steps(spec: StageSpec, stage: str, round: int | None = None) -> dict[str, list[str]]:
+    """Each trajectory's steps as a reward model reads them: a text domain's `steps` rows; for an environment's
+    episodes, each assistant turn with the observations after it (`envs.rollout.episode_steps`)."""
+    from components.envs.rollout import episode_steps, is_agent
+
+    if is_agent(domain_of(spec)):
+        return episode_steps(spec.rows(stage, "turns", round=round))
+    return steps_by_trajectory(spec.rows(stage, "steps", round=round))
+
+
 def problems_by_id(rows: list[dict[str, Any]]) -> dict[str, Any]:
     from components.generation import problem_from_row
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.envs.rollout import is_agent
+from components.envs.rollout import episode_steps, is_agent
 from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
                                     merged_counts, reward_model_of, reward_scores, steps_by_trajectory, write)
 
@@ -81,7 +81,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         )
     tables: dict[str, list[dict[str, Any]]] = dict(episodes)
     if roles:
-        steps = steps_by_trajectory(batch.steps)
+        steps = episode_steps(episodes["turns"]) if is_agent(domain) else steps_by_trajectory(batch.steps)
         items = [{"trajectory_id": t["trajectory_id"], "problem_id": t["problem_id"],
                   "steps": steps.get(t["trajectory_id"], [])} for t in batch.trajectories]
         oracle_rows = oracle_labels(domain, {p.problem_id: p for p in problems}, [it for it in items if it["steps"]])

@@ -7,14 +7,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from components.envs.rollout import is_agent
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
-from components.envs.rollout import is_agent
 from components.seeding import derive_seed
 from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
-                                    merged_counts, problems_by_id, reward_model_of, reward_scores, steps_by_trajectory,
-                                    write)
+                                    merged_counts, problems_by_id, reward_model_of, reward_scores, reward_steps, write)
 
 
 @dataclass
@@ -63,7 +62,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     sc = cfg.score
     trajs = spec.rows("generate", "trajectories")
     vers = spec.rows("verify", "verifications")
-    steps = steps_by_trajectory(spec.rows("generate", "steps"))
+    steps = reward_steps(spec, "generate")
     problems = problems_by_id(spec.rows("generate", "problems"))
     # Which trajectories get Monte Carlo labels is planned over the whole round, with the stage's seed (a
     # shard's own seed drives only its rollouts), so the shards share one plan and one budget.

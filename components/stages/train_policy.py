@@ -10,8 +10,8 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.stages.base import (Planner, Stage, copy_model, domain_of, log, model_id, model_row, prompt_format_of,
-                                    reward_scores, selected, sft_examples, steps_by_trajectory, train_progress,
-                                    trainer_settings, write)
+                                    reward_scores, reward_steps, selected, sft_examples, steps_by_trajectory,
+                                    train_progress, trainer_settings, write)
 
 
 @dataclass
@@ -129,7 +129,7 @@ def rejudge(spec: StageSpec, inp: Inputs, pool: dict[str, dict[str, Any]]) -> se
         return set()
     steps: dict[str, list[str]] = {}
     for r in sorted({t["round"] for t in earlier}):
-        steps |= steps_by_trajectory(spec.rows("generate", "steps", round=r))
+        steps |= reward_steps(spec, "generate", round=r)
     threshold = spec.cfg().filter.min_step_score
     rows = reward_scores(spec, "prm", inp.judge_uri, inp.judge_model_id, earlier, steps)
     out = {r["trajectory_id"] for r in rows if r["aggregate"] == "min" and r["value"] < threshold}

@@ -14,7 +14,8 @@ from components.config import ExperimentConfig
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.stages.base import (Planner, Stage, domain_of, log, model_id, model_input, model_row,
-                                    prompt_format_of, reward_scores, selected, steps_by_trajectory, write)
+                                    prompt_format_of, reward_scores, reward_steps, selected, steps_by_trajectory,
+                                    write)
 
 
 @dataclass
@@ -76,7 +77,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     held_steps: dict[str, list[str]] = {}
     for r in inp.label_rounds:
         trajs = spec.rows("generate", "trajectories", round=r)
-        steps = steps_by_trajectory(spec.rows("generate", "steps", round=r))
+        steps = reward_steps(spec, "generate", round=r)
         if judge:  # a right answer no filter has kept yet is the judge's to judge, not to learn from
             correct = {v["trajectory_id"]: v["correct"] for v in spec.rows("verify", "verifications", round=r)}
             unjudged = {t["trajectory_id"] for t in trajs if correct.get(t["trajectory_id"]) and
@@ -113,7 +114,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         examples += imported
         labelled_round |= {e["trajectory_id"]: 0 for e in imported}
         outcome_examples += outcomes if tr.orm else []
-    demos = demo_prm_examples(selected(spec, 0, demos_only=True), domain.split_steps, examples) if tr.demos else []
+    demos = demo_prm_examples(selected(spec, 0, demos_only=True), _demo_steps(spec), examples) if tr.demos else []
     if not examples and not (judge and demos):  # a judge's first round may have only wrong answers' labels, or none
         raise RuntimeError(f"{spec.stage_run_id}: no {tr.label_source} step labels in rounds {inp.label_rounds}; "
                            + ("did score.tree label any trajectory?" if tr.label_source.startswith("tree_")
@@ -158,6 +159,18 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                             f"trained on ({len(held_out)} held out of its labels)")
     write(out, **tables)
     return {k: float(v) for k, v in metrics.items()}
+
+
+def _demo_steps(spec: StageSpec):
+    """`steps_of(trajectory_id, row)` for round 0's demonstrations: the domain's split of the completion, or for
+    an environment each reference episode's turns, as the PRM reads an episode (`reward_steps`)."""
+    from components.envs.rollout import is_agent
+
+    domain = domain_of(spec)
+    if not is_agent(domain):
+        return lambda tid, t: domain.split_steps(t["completion"])
+    episodes = reward_steps(spec, "bootstrap", round=0)
+    return lambda tid, t: episodes.get(tid, [])
 
 
 def _imported_examples(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

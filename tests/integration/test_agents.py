@@ -44,63 +44,79 @@ def agent_run(prefect_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def agent_grpo(agent_run):
-    """recipe grpo on the same environment, from agent_run's round-0 policy: one round of groups of episodes."""
+    """recipe grpo on the same environment, from agent_run's round-0 policy: two rounds of groups of episodes, with
+    turn credit from Monte Carlo turn labels (round 1) and from the PRM that round 1 trained on them (round 2)."""
     from flows.evolution import self_evolution
 
     cfg, store = agent_run
     model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
     config = REPO / "configs" / "calculator.yaml"
-    overrides = [f"workdir={cfg.workdir}", "experiment=calc-grpo", "rounds=1", "recipe=grpo",
+    overrides = [f"workdir={cfg.workdir}", "experiment=calc-grpo", "rounds=2", "recipe=grpo",
                  f"policy.model={model}", "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
                  "bootstrap.problems_per_level=60", "generate.problems_per_level=6", "generate.samples_per_problem=4",
                  "generate.temperature=1.0", "train_policy.method=grpo", "train_policy.grpo.groups_per_step=2",
                  "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1",
-                 "score.mc_rollouts=2", "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
+                 "score.mc_rollouts=2", "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5",
+                 "train_reward.enabled=true", "train_reward.steps=20", "train_reward.demos=true",
+                 "score.reward_model=prm"]
     self_evolution(config_path=str(config), overrides=overrides)
     grpo = load_config(config, overrides)
     return grpo, Store.for_config(grpo)
 
 
-def test_grpo_credits_each_turn_of_an_episode_from_its_monte_carlo_turn_label(agent_grpo):
+def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(agent_grpo):
     cfg, store = agent_grpo
     _, rows = store.query(
         "WITH u AS (SELECT trajectory_id, turn_index, "
         "           row_number() OVER (PARTITION BY trajectory_id ORDER BY turn_index) - 1 AS step_index "
         "           FROM turns WHERE role = 'assistant') "
-        "SELECT a.trajectory_id, u.step_index, a.process, l.value, a.advantage - r.advantage - 0.5 * a.process_return "
+        "SELECT a.round, u.step_index, a.process, "
+        "       CASE WHEN a.round = 1 THEN l.value ELSE s.value END, s.model_id = p.model_id, "
+        "       a.advantage - r.advantage - 0.5 * a.process_return "
         "FROM advantages a JOIN advantages r ON r.trajectory_id = a.trajectory_id AND r.turn_index = -1 "
         "LEFT JOIN u ON u.trajectory_id = a.trajectory_id AND u.turn_index = a.turn_index "
         "LEFT JOIN step_labels l ON l.trajectory_id = a.trajectory_id AND l.step_index = u.step_index "
         " AND l.source = 'mc_soft' "
+        "LEFT JOIN scores s ON s.trajectory_id = a.trajectory_id AND s.step_index = u.step_index "
+        " AND s.scorer = 'prm' AND s.aggregate = 'step' "
+        "LEFT JOIN models p ON p.experiment_id = a.experiment_id AND p.role = 'prm' AND p.round = a.round - 1 "
         "WHERE a.experiment_id = ? AND a.turn_index >= 0", [cfg.experiment])
     _, [(assistant_turns, rolled_out)] = store.query(
         "SELECT count(*), (SELECT count(*) FROM step_labels l JOIN trajectories t USING (trajectory_id) "
         "                  WHERE t.experiment_id = ? AND l.source = 'mc_soft' AND l.num_rollouts = 2) "
         "FROM turns u JOIN trajectories t USING (trajectory_id) "
         "WHERE t.experiment_id = ? AND t.purpose = 'train' AND u.role = 'assistant'", [cfg.experiment] * 2)
-    # One row per assistant turn, keyed by the turn, whose step reward is that turn's Monte Carlo label, and whose
-    # advantage is the episode's plus 0.5 x the normalised step rewards from it on.
-    assert len(rows) == assistant_turns and all(step is not None for _, step, *_ in rows)
-    assert all(process == label and abs(gap) < 1e-9 for _, _, process, label, gap in rows)
+    # One row per assistant turn, keyed by the turn, whose advantage is the episode's plus 0.5 x the normalised
+    # step rewards from it on. A turn's step reward is its Monte Carlo label in round 1 (nothing was trained
+    # yet), and in round 2 the score of the PRM that round 1 trained on those labels.
+    assert len(rows) == assistant_turns and {r[0] for r in rows} == {1, 2}
+    assert all(step is not None and process == value and abs(gap) < 1e-9 for _, step, process, value, _, gap in rows)
+    assert all(from_prm for rnd, *_, from_prm, _ in rows if rnd == 2)
     # Turns before an episode's last were valued by going on from them (k=2), and some episode's turns differ.
     assert rolled_out > 0
     # Those episodes train each turn's tokens on that turn's advantage (a per-token advantage for TRL).
-    _, [(per_turn, episodes_split)] = store.query(
-        "SELECT json_extract(s.metrics_json, '$.turn_credit_rollouts')::DOUBLE, "
+    _, credit = store.query(
+        "SELECT s.round, json_extract(s.metrics_json, '$.turn_credit_rollouts')::DOUBLE, "
         "(SELECT count(*) FROM (SELECT a.trajectory_id FROM advantages a WHERE a.experiment_id = s.experiment_id "
-        " AND a.kept AND a.turn_index >= 0 GROUP BY ALL HAVING count(DISTINCT a.advantage) > 1)) "
-        "FROM stage_runs s WHERE s.experiment_id = ? AND s.stage = 'train_policy' AND s.round = 1 "
-        "AND s.status = 'committed'", [cfg.experiment])
-    assert per_turn == episodes_split > 0
+        " AND a.round = s.round AND a.kept AND a.turn_index >= 0 GROUP BY ALL HAVING count(DISTINCT a.advantage) > 1)) "
+        "FROM stage_runs s WHERE s.experiment_id = ? AND s.stage = 'train_policy' AND s.status = 'committed' "
+        "ORDER BY ALL", [cfg.experiment])
+    assert [r for r, *_ in credit] == [1, 2] and all(per_turn == split > 0 for _, per_turn, split in credit)
+    # The PRM trained on episodes: the round's labelled episodes and the reference episodes, as their turns.
+    _, [(prm_inputs, demos)] = store.query(
+        "SELECT count(*), count(*) FILTER (WHERE i.source_round = 0) FROM model_inputs i JOIN models m "
+        "USING (model_id) WHERE m.experiment_id = ? AND m.role = 'prm' AND m.round = 1", [cfg.experiment])
+    assert prm_inputs > demos > 0
     _, [(steps, trained, logprobs, tokens, assistant_tokens)] = store.query(
         "SELECT json_extract(s.metrics_json, '$.steps')::DOUBLE, "
         "(SELECT count(*) FROM model_inputs i JOIN models m USING (model_id) WHERE m.experiment_id = s.experiment_id "
         " AND m.round = 1 AND i.use = 'grpo'), "
-        "(SELECT count(*) FROM rollout_logprobs l JOIN models m USING (model_id) WHERE m.experiment_id = s.experiment_id), "
+        "(SELECT count(*) FROM rollout_logprobs l JOIN models m USING (model_id) WHERE m.experiment_id = s.experiment_id "
+        " AND m.round = 1), "
         "(SELECT sum(l.tokens) FROM rollout_logprobs l JOIN models m USING (model_id) "
-        " WHERE m.experiment_id = s.experiment_id), "
+        " WHERE m.experiment_id = s.experiment_id AND m.round = 1), "
         "(SELECT sum(u.num_tokens) FROM turns u JOIN rollout_logprobs l USING (trajectory_id) JOIN models m "
-        " USING (model_id) WHERE m.experiment_id = s.experiment_id AND u.role = 'assistant') "
+        " USING (model_id) WHERE m.experiment_id = s.experiment_id AND m.round = 1 AND u.role = 'assistant') "
         "FROM stage_runs s WHERE s.experiment_id = ? AND s.stage = 'train_policy' AND s.round = 1 "
         "AND s.status = 'committed'", [cfg.experiment])
     assert trained == logprobs > 0 and steps >= 1

@@ -208,11 +208,11 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base).domain.name == "sql"
     with pytest.raises(ConfigError, match="sql.*is an agent environment.*policy.prompt_format=chat"):
         load_config_dict(base | {"policy": {"model": "m"}})
-    with pytest.raises(ConfigError, match="does not support score.reward_model, train_reward.enabled, "
-                                          "filter.check_steps yet"):
-        load_config_dict(base | {"recipe": "coevo", "score": {"reward_model": "prm", "mc_rollouts": 2},
-                                 "train_reward": {"enabled": True},
-                                 "filter": {"check_steps": True}})
+    coevo = {"recipe": "coevo", "score": {"reward_model": "prm", "mc_rollouts": 2}, "train_reward": {"enabled": True}}
+    assert load_config_dict(base | coevo).train_reward.enabled  # a PRM on episodes: its turns are its steps
+    with pytest.raises(ConfigError, match="does not support train_reward.orm, filter.check_steps yet"):
+        load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
+                                         "filter": {"check_steps": True}})
     # Monte Carlo turn labels, and grpo's step credit on them, are the agent loop's; the binary search is not yet.
     grpo = {"recipe": "grpo", "train_policy": {"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}}}
     assert load_config_dict(base | grpo | {"score": {"mc_rollouts": 2}}).score.mc_rollouts == 2

@@ -392,3 +392,21 @@ def test_a_resumed_episode_has_its_environment_replayed_to_where_it_stood():
     # After the first add the counter stood at 3: adding 2 reaches 5. Replayed from 0 it would stand at 2.
     assert soft == {("t", 0): 1.0, ("t", 1): 0.0, ("t", 2): 0.0, ("u", 0): 0.0, ("u", 1): 0.0, ("u", 2): 0.0}
     assert stats["replay_mismatches"] == 4  # u's two prefixes, rolled out twice each
+
+
+@pytest.mark.parametrize("name", ["calculator", "sql"])
+def test_a_reward_model_reads_an_episode_as_its_turns_with_what_each_observed(name):
+    """A PRM's steps for an episode: each assistant turn with the observations after it. Joined they are the
+    transcript the store keeps as the completion, and there is one per assistant turn (one per Monte Carlo label)."""
+    from components.envs.records import episode_rows
+    from components.envs.rollout import episode_steps
+
+    env = get_env(name)
+    records, _ = replay(env, env.sample_problems(3, 3, seed=0))
+    for k, rec in enumerate(records):
+        rows = episode_rows(rec, experiment="e", round=1, purpose="train", policy_model_id=None, sample_index=k,
+                            temperature=1.0, top_p=1.0, max_new_tokens=64, seed=0, verifier="v", verifier_version="1")
+        [traj] = rows["trajectories"]
+        steps = episode_steps(rows["turns"])[traj["trajectory_id"]]
+        assert "\n".join(steps) == traj["completion"] and len(steps) == len(rows["steps"]) == 2
+        assert steps[0].startswith(rows["steps"][0]["text"]) and "\n[tool:" in steps[0]
