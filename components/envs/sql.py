@@ -9,7 +9,8 @@ Two sources:
   `<db_id>/<db_id>.sqlite`): levels from the gold query's shape, the same five.
 
 The agent may run exploratory queries (`run_sql`) and answers with a turn that holds no call: its last
-```sql block (or the whole turn). Execution is read-only and bounded: an authorizer lets through reads and
+```sql block (or the whole turn). With `explore=False` it answers in one turn, with no tool: the one-shot
+baseline the agent is measured against (its reference episodes are the gold query alone). Execution is read-only and bounded: an authorizer lets through reads and
 nothing else (no ATTACH, PRAGMA, writes or extensions), a progress handler ends a query past `timeout_s`, and
 at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
 multisets; order counts only where the gold query has an ORDER BY.
@@ -207,9 +208,13 @@ class SqlEnv(FileProblems):
     instructions: str = "Answer with one SQLite query in a ```sql block. You may run queries first."
     tools: tuple[Tool, ...] = (Tool("run_sql", "Run a read-only SQLite query on the database; see its rows.",
                                     TOOL_SCHEMA, None),)
+    explore: bool = True  # False: one turn, no run_sql (the one-shot baseline)
     _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if not self.explore:
+            self.tools, self.instructions = (), "Answer with one SQLite query in a ```sql block."
+            self.limits = EpisodeLimits(1, self.limits.max_wall_s, self.limits.max_observation_chars)
         if (self.questions is None) != (self.databases is None):
             raise SqlError("sql: give both `questions` (a Spider/BIRD JSON file) and `databases` (its folder), or neither")
         if self.questions is not None:
@@ -289,6 +294,8 @@ class SqlEnv(FileProblems):
                 raise ValueError(str(e)) from None
             return render(cols, rows, self.max_rows)
 
+        if not self.explore:
+            return {}, con
         return {"run_sql": Tool("run_sql", self.tools[0].description, TOOL_SCHEMA, run_sql)}, con
 
     def extract_answer(self, text: str) -> str | None:
@@ -309,8 +316,10 @@ class SqlEnv(FileProblems):
 
     def reference_episode(self, problem: Problem) -> list[Message]:
         """One exploratory query (a few rows of the first table the gold query reads), its result, then the
-        gold query as the answer."""
+        gold query as the answer; with `explore=False`, the answer alone."""
+        answer = f"```sql\n{problem.meta['gold']}\n```"
+        if not self.explore:
+            return reference_messages(self, problem, [(answer, None)], self.limits)
         table = re.search(r"\bFROM\s+(\w+)", problem.meta["gold"], re.I).group(1)
         look = toolcalls.format_call("run_sql", {"query": f"SELECT * FROM {table} LIMIT 3"})
-        return reference_messages(self, problem, [(look, None), (f"```sql\n{problem.meta['gold']}\n```", None)],
-                                  self.limits)
+        return reference_messages(self, problem, [(look, None), (answer, None)], self.limits)

@@ -410,3 +410,18 @@ def test_a_reward_model_reads_an_episode_as_its_turns_with_what_each_observed(na
         steps = episode_steps(rows["turns"])[traj["trajectory_id"]]
         assert "\n".join(steps) == traj["completion"] and len(steps) == len(rows["steps"]) == 2
         assert steps[0].startswith(rows["steps"][0]["text"]) and "\n[tool:" in steps[0]
+
+
+def test_sql_one_shot_answers_in_one_turn_with_no_tool_over_the_same_problems():
+    """`explore=False`: the baseline the agent is compared with. Same problems and held-out set, one turn, no tool."""
+    agent, one_shot = SqlEnv(test_size=5), SqlEnv(test_size=5, explore=False)
+    assert [p.problem_id for p in one_shot.test_set(3)] == [p.problem_id for p in agent.test_set(3)]
+    problems = one_shot.sample_problems(3, 3, seed=0)
+    records, _ = replay(one_shot, problems)
+    assert [r.reward for r in records] == [1.0] * 3
+    assert [m["role"] for m in one_shot.reference_episode(problems[0])] == ["system", "user", "assistant"]
+    assert "run_sql" not in records[0].messages[0]["content"] and one_shot.tools == ()
+    look = toolcalls.format_call("run_sql", {"query": "SELECT 1"})
+    [rec] = EpisodeRunner(scripted({problems[0].prompt: [look]}), toolcalls.parse, one_shot.limits).run(
+        [(problems[0], one_shot.episode(problems[0]))])
+    assert (rec.status, rec.reward) == ("truncated_turns", 0.0) and rec.turns[-1].content.startswith("error: unknown")

@@ -1,0 +1,86 @@
+"""Does the SQL agent's exploration pay? The agent that may run queries (`run_sql`) against one-shot answers, both
+trained by rft from their own reference episodes, on the same problems, at the tokens each used.
+
+    .venv/bin/python benchmarks/sql_one_shot.py --workdir /tmp/agents-bench --seeds 0 1 --rounds 4
+
+Per seed, two arms, each a round-0 policy from configs/sql.yaml's bootstrap on the same micro stand-in, then
+`--rounds` rft rounds:
+- `run_sql`: the environment as shipped: one exploratory query, its rows, then the answer (the reference
+  episodes), up to 3 turns. Its experiments are `benchmarks/grpo_agents.py`'s round-0 policy and `rft` arm, so
+  with the same `--workdir` they are read, not run again;
+- `one-shot`: `domain.options.explore=false`: one turn, no tool; its reference episodes are the gold query alone.
+
+Reported from the store (`v_round_summary`): held-out greedy execution match per level by round, and the tokens
+each arm sampled (cumulative), with their mean per episode. Written to `--out` (JSON) too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from grpo_agents import rows  # noqa: E402
+from grpo_vs_rft import _run  # noqa: E402
+
+CONFIG = "configs/sql.yaml"
+ARMS = {"run_sql": ("bench-sql-boot-s{seed}", "bench-sql-rft-s{seed}", []),
+        "one-shot": ("bench-sql-oneshot-boot-s{seed}", "bench-sql-oneshot-s{seed}", ["domain.options.explore=false"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/agents-bench"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from components.store import Store
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model = args.workdir / "standin-sql"
+    if not (model / "config.json").exists():
+        subprocess.run([str(REPO / ".venv" / "bin" / "coevo"), "build-model", str(model), "--domain", "sql", "--size",
+                        "micro", "--positions", "768"], cwd=REPO, check=True)
+    report: dict[str, dict[int, list[dict]]] = {}
+    per_episode: dict[str, dict[int, float]] = {}
+    for seed in args.seeds:
+        base = [f"workdir={args.workdir}", f"seed={seed}"]
+        for arm, (boot, exp, extra) in ARMS.items():
+            boot, exp = boot.format(seed=seed), exp.format(seed=seed)
+            print(f"[bench] seed {seed}: {arm}", flush=True)
+            _run(CONFIG, [*base, f"experiment={boot}", "rounds=0", f"policy.model={model}", *extra],
+                 args.workdir / f"{boot}.log")
+            start = Store(args.workdir / "store").committed_model(boot, 0, "policy")["uri"]
+            _run(CONFIG, [*base, f"rounds={args.rounds}", f"experiment={exp}", f"policy.model={start}",
+                          "bootstrap.steps=0", *extra], args.workdir / f"{exp}.log")
+            store = Store(args.workdir / "store")
+            report.setdefault(arm, {})[seed] = rows(store, exp)
+            _, [(tokens, episodes)] = store.query(
+                "SELECT sum(num_tokens), count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train' "
+                "AND round > 0", [exp])
+            per_episode.setdefault(arm, {})[seed] = tokens / max(episodes, 1)
+    levels = sorted({lv for seeds in report.values() for rs in seeds.values() for r in rs for lv in r["levels"]})
+    print(f"\nsql: held-out greedy execution match by round, levels {levels} (cumulative sampled tokens)")
+    for arm, seeds in report.items():
+        for seed, rs in seeds.items():
+            for r in rs:
+                accs = " ".join(f"L{lv} {r['levels'].get(lv, float('nan')):.3f}" for lv in levels)
+                print(f"{arm:9s} seed {seed} r{r['round']}: {accs}  ({r['budget']} tokens)")
+    print(f"\nround {args.rounds}, mean over levels, and tokens sampled per training episode")
+    for arm, seeds in report.items():
+        print(f"{arm:9s} " + "  ".join(
+            f"seed {s}: {sum(rs[-1]['levels'].values()) / len(rs[-1]['levels']):.3f} at {rs[-1]['budget']} tokens "
+            f"({per_episode[arm][s]:.1f} per episode)" for s, rs in seeds.items()))
+    if args.out:
+        args.out.write_text(json.dumps({"accuracy": report, "tokens_per_episode": per_episode}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
