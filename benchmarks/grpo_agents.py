@@ -57,6 +57,23 @@ def rows(store, experiment: str) -> list[dict]:
     return out
 
 
+def mean(r: dict) -> float:
+    """A round's accuracy averaged over its levels."""
+    return sum(r["levels"].values()) / max(len(r["levels"]), 1)
+
+
+def print_levels(report: dict[str, dict[int, list[dict]]], title: str, tokens: str) -> list[int]:
+    """Each arm's, seed's and round's accuracy per level, with its cumulative tokens; the levels."""
+    levels = sorted({lv for seeds in report.values() for rs in seeds.values() for r in rs for lv in r["levels"]})
+    print(f"\n{title}, levels {levels} (cumulative tokens: {tokens})")
+    for arm, seeds in report.items():
+        for seed, rs in seeds.items():
+            for r in rs:
+                accs = " ".join(f"L{lv} {r['levels'].get(lv, float('nan')):.3f}" for lv in levels)
+                print(f"{arm:13s} seed {seed} r{r['round']}: {accs}  ({r['budget']} tokens)")
+    return levels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--env", default="sql", choices=["sql", "calculator", "code"])
@@ -89,17 +106,7 @@ def main() -> None:
             _run(config, [*base, f"rounds={args.rounds}", f"experiment={exp}", f"policy.model={start}",
                           "bootstrap.steps=0", *ARMS[arm]], args.workdir / f"{exp}.log")
             report.setdefault(arm, {})[seed] = rows(Store(args.workdir / "store"), exp)
-    levels = sorted({lv for seeds in report.values() for rs in seeds.values() for r in rs for lv in r["levels"]})
-    hardest = max(levels)
-    print(f"\n{args.env}: held-out greedy accuracy by round, levels {levels} (cumulative tokens: sampled + labelling)")
-    for arm, seeds in report.items():
-        for seed, rs in seeds.items():
-            for r in rs:
-                accs = " ".join(f"L{lv} {r['levels'].get(lv, float('nan')):.3f}" for lv in levels)
-                print(f"{arm:13s} seed {seed} r{r['round']}: {accs}  ({r['budget']} tokens)")
-
-    def mean(r: dict) -> float:
-        return sum(r["levels"].values()) / max(len(r["levels"]), 1)
+    hardest = max(print_levels(report, f"{args.env}: held-out greedy accuracy by round", "sampled + labelling"))
 
     print(f"\ngain from round 0 to round {args.rounds}: level {hardest} (the hardest) and the mean over levels")
     for arm, seeds in report.items():

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from grpo_agents import rows  # noqa: E402
+from grpo_agents import mean, print_levels, rows  # noqa: E402
 from grpo_vs_rft import _run  # noqa: E402
 
 CONFIG = "configs/sql.yaml"
@@ -66,18 +66,11 @@ def main() -> None:
                 "SELECT sum(num_tokens), count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train' "
                 "AND round > 0", [exp])
             per_episode.setdefault(arm, {})[seed] = tokens / max(episodes, 1)
-    levels = sorted({lv for seeds in report.values() for rs in seeds.values() for r in rs for lv in r["levels"]})
-    print(f"\nsql: held-out greedy execution match by round, levels {levels} (cumulative sampled tokens)")
-    for arm, seeds in report.items():
-        for seed, rs in seeds.items():
-            for r in rs:
-                accs = " ".join(f"L{lv} {r['levels'].get(lv, float('nan')):.3f}" for lv in levels)
-                print(f"{arm:9s} seed {seed} r{r['round']}: {accs}  ({r['budget']} tokens)")
+    print_levels(report, "sql: held-out greedy execution match by round", "sampled")
     print(f"\nround {args.rounds}, mean over levels, and tokens sampled per training episode")
     for arm, seeds in report.items():
-        print(f"{arm:9s} " + "  ".join(
-            f"seed {s}: {sum(rs[-1]['levels'].values()) / len(rs[-1]['levels']):.3f} at {rs[-1]['budget']} tokens "
-            f"({per_episode[arm][s]:.1f} per episode)" for s, rs in seeds.items()))
+        print(f"{arm:13s} " + "  ".join(f"seed {s}: {mean(rs[-1]):.3f} at {rs[-1]['budget']} tokens "
+                                        f"({per_episode[arm][s]:.1f} per episode)" for s, rs in seeds.items()))
     if args.out:
         args.out.write_text(json.dumps({"accuracy": report, "tokens_per_episode": per_episode}, indent=1))
 
