@@ -40,7 +40,8 @@ def _text(steps: list[str], sep: str) -> str:
     return "".join(s + sep for s in steps)
 
 
-def _rows(tid: str, i: int, soft: float, hard: float, n: int) -> list[dict[str, Any]]:
+def mc_rows(tid: str, i: int, soft: float, hard: float, n: int) -> list[dict[str, Any]]:
+    """A step's `mc_soft` and `mc_hard` `step_labels` rows, from `n` rollouts."""
     return [{"trajectory_id": tid, "step_index": i, "source": "mc_soft", "value": soft, "num_rollouts": n},
             {"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": hard, "num_rollouts": n}]
 
@@ -89,8 +90,8 @@ def mc_step_labels(domain: Domain, backend: GenerationBackend, items: list[dict[
         steps, tid = it["steps"], it["trajectory_id"]
         for i in range(len(steps) - 1):
             soft, hard = values[slots[(it["prompt"], _text(steps[:i + 1], domain.step_separator), it["answer_ref"])]]
-            rows += _rows(tid, i, soft, hard, k)
-        rows += _rows(tid, len(steps) - 1, float(final or 0.0), float(final or 0.0), 0)
+            rows += mc_rows(tid, i, soft, hard, k)
+        rows += mc_rows(tid, len(steps) - 1, float(final or 0.0), float(final or 0.0), 0)
     stats = {
         "trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": len(slots),
         "rollouts": len(slots) * k, "generated_tokens": tokens,

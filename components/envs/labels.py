@@ -19,7 +19,7 @@ from typing import Any
 
 from components.envs import toolcalls
 from components.envs.base import EpisodeRunner, Message
-from components.labeling import _rows, mc_value
+from components.labeling import mc_rows, mc_value
 
 
 def _key(problem_id: str, messages: list[Message]) -> tuple:
@@ -64,9 +64,9 @@ def mc_turn_labels(env: Any, generate: Any, items: list[dict[str, Any]], k: int,
     for it in items:
         prefixes = turn_prefixes(it["messages"])
         for i, prefix in enumerate(prefixes):
-            rows += _rows(it["trajectory_id"], i, *mc_value(outcomes[_key(it["problem"].problem_id, prefix)]), k)
+            rows += mc_rows(it["trajectory_id"], i, *mc_value(outcomes[_key(it["problem"].problem_id, prefix)]), k)
         final = float(bool(it["correct"]))
-        rows += _rows(it["trajectory_id"], len(prefixes), final, final, 0)
+        rows += mc_rows(it["trajectory_id"], len(prefixes), final, final, 0)
     stats = {"trajectories": len(items), "steps": sum(len(turn_prefixes(it["messages"])) + 1 for it in items),
              "unique_prefixes": len(order), "rollouts": len(runs),
              # a resumed episode's stored turns carry no token count: these are the continuations' own
