@@ -67,7 +67,7 @@ def mc_turn_labels(env: Any, generate: Any, items: list[dict[str, Any]], k: int,
             rows += mc_rows(it["trajectory_id"], i, *mc_value(outcomes[_key(it["problem"].problem_id, prefix)]), k)
         final = float(bool(it["correct"]))
         rows += mc_rows(it["trajectory_id"], len(prefixes), final, final, 0)
-    stats = {"trajectories": len(items), "steps": sum(len(turn_prefixes(it["messages"])) + 1 for it in items),
+    stats = {"trajectories": len(items), "steps": len(rows) // 2,  # a soft and a hard row per turn
              "unique_prefixes": len(order), "rollouts": len(runs),
              # a resumed episode's stored turns carry no token count: these are the continuations' own
              "generated_tokens": sum(t.num_tokens or 0 for rec in records for t in rec.turns if t.role == "assistant"),

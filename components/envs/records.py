@@ -25,8 +25,17 @@ def transcript(record: EpisodeRecord) -> str:
         if t.role == "assistant":
             parts.append(t.content)
         else:
-            parts.append(f"[{t.role}{':' + t.tool_name if t.tool_name else ''}] {t.content}")
+            parts.append(observed(t.role, t.tool_name, t.content))
     return "\n".join(parts)
+
+
+def observed(role: str, tool_name: str | None, content: str) -> str:
+    """An observation as a transcript shows it, marked with its role and tool.
+
+    >>> observed("tool", "run_sql", "3 rows")
+    '[tool:run_sql] 3 rows'
+    """
+    return f"[{role}{':' + tool_name if tool_name else ''}] {content}"
 
 
 def episode_rows(record: EpisodeRecord, *, experiment: str, round: int, purpose: str, policy_model_id: str | None,

@@ -22,7 +22,7 @@ from typing import Any
 from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeRecord, EpisodeRunner
-from components.envs.records import episode_rows
+from components.envs.records import episode_rows, observed
 from components.generation import problem_from_row
 
 
@@ -179,7 +179,7 @@ def episode_steps(turns: list[dict[str, Any]]) -> dict[str, list[str]]:
         if t["role"] == "assistant":
             steps.append(t["content"])
         elif steps:  # an observation after an assistant turn; the system and first user messages come before any
-            steps[-1] += f"\n[{t['role']}{':' + t['tool_name'] if t['tool_name'] else ''}] {t['content']}"
+            steps[-1] += "\n" + observed(t["role"], t["tool_name"], t["content"])
     return {tid: steps for tid, steps in out.items() if steps}
 
 

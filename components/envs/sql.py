@@ -10,9 +10,10 @@ Two sources:
 
 The agent may run exploratory queries (`run_sql`) and answers with a turn that holds no call: its last
 ```sql block (or the whole turn). With `explore=False` it answers in one turn, with no tool: the one-shot
-baseline the agent is measured against (its reference episodes are the gold query alone). Execution is read-only and bounded: an authorizer lets through reads and
-nothing else (no ATTACH, PRAGMA, writes or extensions), a progress handler ends a query past `timeout_s`, and
-at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
+baseline the agent is measured against (its reference episodes are the gold query alone).
+
+Execution is read-only and bounded: an authorizer lets through reads and nothing else (no ATTACH, PRAGMA, writes
+or extensions), a progress handler ends a query past `timeout_s`, and at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
 multisets; order counts only where the gold query has an ORDER BY.
 
     >>> env = SqlEnv()

@@ -115,7 +115,8 @@ def trainer_kwargs(params: Any, output_dir: str) -> dict[str, Any]:
         learning_rate=params.learning_rate, lr_scheduler_type="cosine",
         warmup_steps=int(params.warmup_ratio * params.max_steps), weight_decay=params.weight_decay,
         # at least four logged losses, so a short run's first and final loss are not NaN
-        logging_steps=min(params.logging_steps, max(params.max_steps // 4, 1)), save_strategy="no", report_to="none", use_cpu=device() == "cpu",
+        logging_steps=min(params.logging_steps, max(params.max_steps // 4, 1)), save_strategy="no", report_to="none",
+        use_cpu=device() == "cpu",
         seed=params.seed, data_seed=params.seed, dataloader_num_workers=0, disable_tqdm=True, bf16=False, fp16=False,
     )
 
