@@ -788,14 +788,13 @@ class ExperimentConfig(_Section):
                        "score.tree": self.score.tree is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
-                       "train_policy.method": self.train_policy.method not in ("sft", "grpo"),
                        "evaluate.best_of_n": bool(self.evaluate.best_of_n),
                        "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (the implicit PRM, the "
-                             "ORM, search and DPO on episodes are still to come); Monte Carlo turn labels "
-                             "(score.mc_rollouts, mc_strategy every_prefix), the PRM and grpo's step credit work")
+                             "ORM and search are still to come); Monte Carlo turn labels (score.mc_rollouts, "
+                             "mc_strategy every_prefix), the PRM, DPO on episodes and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

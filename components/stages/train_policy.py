@@ -237,9 +237,9 @@ def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir,
     return {k: float(v) for k, v in metrics.items()} | {"retokenized": retokenized}
 
 
-def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
-    """This round's DPO pairs ({"prompt", "chosen", "rejected"}), trajectory-level then step-level, and their
-    `model_inputs` rows (a trajectory once, at its first use)."""
+def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """This round's DPO pairs ({"prompt", "chosen", "rejected"}; for an environment, the two episodes' chats),
+    trajectory-level then step-level, and their `model_inputs` rows (a trajectory once, at its first use)."""
     trajs = {t["trajectory_id"]: t for t in spec.rows("generate", "trajectories")}
     sides: dict[str, dict[str, str]] = {}
     step_ids: list[str] = []
@@ -248,10 +248,16 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, str]], list[dict[str, A
             sides.setdefault(s["pair_id"], {})[s["purpose"]] = s["trajectory_id"]
         elif s["selected"] and s["purpose"] == "step_dpo":
             step_ids.append(s["trajectory_id"])
+    from components.envs.rollout import conversations, is_agent
+
     pairs, uses = [], []
+    chats = conversations(spec.rows("generate", "turns")) if sides and is_agent(domain_of(spec)) else None
     for pid in sorted(sides):
         c, r = trajs[sides[pid]["dpo_chosen"]], trajs[sides[pid]["dpo_rejected"]]
-        pairs.append({"prompt": c["prompt"], "chosen": c["completion"], "rejected": r["completion"]})
+        if chats is not None:  # two episodes of one problem, as sampled: DPO masks their observations out
+            pairs.append({"chosen": chats[c["trajectory_id"]], "rejected": chats[r["trajectory_id"]]})
+        else:
+            pairs.append({"prompt": c["prompt"], "chosen": c["completion"], "rejected": r["completion"]})
         uses += [(c["trajectory_id"], "dpo_chosen"), (r["trajectory_id"], "dpo_rejected")]
     if step_ids:
         # Both sides share the live prefix, so its log-ratios cancel in the DPO margin: the preference falls on

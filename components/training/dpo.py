@@ -13,6 +13,11 @@ model, or, with LoRA, use the policy with its adapters switched off. Pairs whose
 `max_length` tokens are counted before training (`truncated`) and fail past `max_truncated_fraction`.
 `sft_weight` > 0 adds TRL's "sft" loss, the mean NLL of the chosen tokens, with that weight: RPO (Pang et
 al. 2024).
+
+Agent episodes pair as {"chosen": messages, "rejected": messages}: two conversations of one problem, each
+assistant turn with its sampled `token_ids`. Each side is tokenized append-only, as SFT tokenizes an episode
+(`ChatEncoder`), the shared opening is the prompt, and the preference's log-probabilities sum over the
+assistant's tokens alone: observations, tool results and the template's headers are masked out of both sides.
 The saved model is weights (safetensors), config, generation config and tokenizer; no pickles. On CPU
 two runs with the same seed and data give a byte-identical model.safetensors.
 """
@@ -38,6 +43,7 @@ from components.training.lora import LoraParams, is_adapter_dir, load_causal_lm,
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot", "aot_unpaired",
               "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
 PAIR_KEYS = ("prompt", "chosen", "rejected")
+EPISODE_PAIR_KEYS = ("chosen", "rejected")
 
 
 @dataclass
@@ -80,11 +86,12 @@ class DPOParams:
             raise ValueError(f"DPOParams.num_threads must be >= 1 or None, got {self.num_threads}")
 
 
-def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str, str]], out_dir: str,
+def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str, Any]], out_dir: str,
               params: DPOParams, progress_callback: ProgressCallback | None = None) -> dict[str, Any]:
     """Train the policy at `model_path` to prefer `chosen` over `rejected`; save it to `out_dir`.
 
-    pairs: [{"prompt", "chosen", "rejected"}], completions without EOS (it is appended here).
+    pairs: [{"prompt", "chosen", "rejected"}], completions without EOS (it is appended here); or agent episodes,
+    [{"chosen": messages, "rejected": messages}].
     ref_model_path: the frozen reference (previous round's policy or the initial model); None means the
     starting model itself is the reference.
 
@@ -101,17 +108,23 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
 
     from components.rewards import save_checkpoint
 
-    _check_pairs(pairs)
+    episodes = _check_pairs(pairs)
     check_fsdp(params.setting, **{"policy.lora": params.lora is not None})
     model, tok, use_cpu = load_policy_to_train(model_path, params)
-    fmt = params.prompt_format
-    # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
-    eos = tok.eos_token
-    rows = [{"prompt": render_prompt(tok, p["prompt"], fmt),
-             **{k: p[k] + ("" if p[k].endswith(eos) else eos) for k in ("chosen", "rejected")}} for p in pairs]
-    # A pair is cut when either side is: TRL truncates prompt + chosen and prompt + rejected separately.
-    lengths = [max(c, r) for c, r in zip(token_lengths(tok, [x["prompt"] + x["chosen"] for x in rows]),
-                                         token_lengths(tok, [x["prompt"] + x["rejected"] for x in rows]), strict=True)]
+    if episodes:
+        rows = episode_pair_rows(tok, model_path, pairs, params)
+        lengths = [max(len(r["prompt_ids"]) + len(r["chosen_ids"]), len(r["prompt_ids"]) + len(r["rejected_ids"]))
+                   for r in rows]
+    else:
+        fmt = params.prompt_format
+        # TRL appends EOS to completions too; doing it here keeps the contract if that default changes.
+        eos = tok.eos_token
+        rows = [{"prompt": render_prompt(tok, p["prompt"], fmt),
+                 **{k: p[k] + ("" if p[k].endswith(eos) else eos) for k in ("chosen", "rejected")}} for p in pairs]
+        # A pair is cut when either side is: TRL truncates prompt + chosen and prompt + rejected separately.
+        lengths = [max(c, r) for c, r in zip(token_lengths(tok, [x["prompt"] + x["chosen"] for x in rows]),
+                                             token_lengths(tok, [x["prompt"] + x["rejected"] for x in rows]),
+                                             strict=True)]
     truncation = check_truncation(lengths, params.max_length, params.max_truncated_fraction, params.setting,
                                   noun="pairs")
     ref_model = None  # TRL then loads the reference from the policy's own path, or with LoRA disables the adapters
@@ -139,8 +152,11 @@ def train_dpo(model_path: str, ref_model_path: str | None, pairs: list[dict[str,
         # TRL's dataset.map progress bars would flood the stage log; peft reads `is_gradient_checkpointing`.
         with warnings.catch_warnings(), quiet_datasets():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            trainer = DPOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=ds,
-                                 processing_class=tok, callbacks=[_Record()], peft_config=peft_config)
+            trainer = (_episode_trainer(DPOTrainer) if episodes else DPOTrainer)(
+                model=model, ref_model=ref_model, args=args, train_dataset=ds, processing_class=tok,
+                callbacks=[_Record()], peft_config=peft_config)
+        if episodes:  # built by TRL with the pad token it settled on; only the completion mask is ours
+            trainer.data_collator = AssistantMaskCollator(trainer.data_collator)
         trainer.remove_callback(PrinterCallback)  # it prints every log dict; progress_callback reports instead
         used = len(trainer.train_dataset)
         if used == 0:
@@ -194,9 +210,85 @@ def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool, fp
     )
 
 
-def _check_pairs(pairs: list[dict[str, str]]) -> None:
+def episode_pair_rows(tok: Any, model_path: str, pairs: list[dict[str, Any]], params: DPOParams) -> list[dict[str, Any]]:
+    """Episode pairs as TRL's pre-tokenized preference rows: `prompt_ids` (the opening both conversations share,
+    up to the first token the assistant wrote), `chosen_ids` / `rejected_ids` (the rest of each, append-only as
+    the agent loop sampled it) and `chosen_mask` / `rejected_mask` (1 on the assistant's tokens)."""
+    from components.envs.agent import ChatEncoder
+
+    if params.prompt_format.kind != "chat":
+        raise ValueError(f"{params.setting}: episodes train with the chat template: set policy.prompt_format=chat")
+    enc = ChatEncoder(tok, model_path)
+    rows = []
+    for i, p in enumerate(pairs):
+        (c_ids, c_mask), (r_ids, r_mask) = (enc.encode(p[k], add_generation_prompt=False) for k in EPISODE_PAIR_KEYS)
+        if not any(c_mask) or not any(r_mask):
+            side = "chosen" if not any(c_mask) else "rejected"
+            raise ValueError(f"{params.setting}: pairs[{i}].{side} has no assistant turn to train on")
+        start = min(c_mask.index(1), r_mask.index(1))
+        if c_ids[:start] != r_ids[:start]:
+            raise ValueError(f"{params.setting}: pairs[{i}]: the chosen and rejected episodes open with different "
+                             "conversations; a pair is two episodes of one problem")
+        rows.append({"prompt_ids": c_ids[:start], "chosen_ids": c_ids[start:], "rejected_ids": r_ids[start:],
+                     "chosen_mask": c_mask[start:], "rejected_mask": r_mask[start:]})
+    return rows
+
+
+class AssistantMaskCollator:
+    """TRL's preference collator, with `completion_mask` set to the assistant's tokens of each side: what TRL
+    marks as completion (everything after the prompt) also holds the environment's observations."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+        from trl.trainer.utils import pad
+
+        out = self.inner(examples)
+        masks = [[0] * len(e["prompt_ids"]) + list(e[f"{side}_mask"]) for side in EPISODE_PAIR_KEYS for e in examples]
+        if self.inner.max_length is not None:  # cut as the collator cut the ids
+            cut = (slice(None, self.inner.max_length) if self.inner.truncation_mode == "keep_start"
+                   else slice(-self.inner.max_length, None))
+            masks = [m[cut] for m in masks]
+        mask = pad([torch.tensor(m, dtype=torch.long) for m in masks], padding_value=0, padding_side="right",
+                   pad_to_multiple_of=self.inner.pad_to_multiple_of)
+        if mask.shape != out["completion_mask"].shape:
+            raise RuntimeError(f"assistant mask {tuple(mask.shape)} does not line up with TRL's completion mask "
+                               f"{tuple(out['completion_mask'].shape)}")
+        out["completion_mask"] = mask
+        return out
+
+
+def _episode_trainer(DPOTrainer: type) -> type:
+    """DPOTrainer for rows that `episode_pair_rows` already tokenized: TRL 1.16 would tokenize `prompt` text."""
+
+    class EpisodeDPOTrainer(DPOTrainer):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if args.max_length is None or args.truncation_mode != "keep_start":
+                return dataset
+            # As TRL does: a prompt that fills max_length leaves no completion token to learn from.
+            return dataset.filter(lambda e: len(e["prompt_ids"]) < args.max_length)
+
+        def _set_signature_columns_if_needed(self):
+            super()._set_signature_columns_if_needed()
+            self._signature_columns = [*self._signature_columns, "chosen_mask", "rejected_mask"]
+
+    return EpisodeDPOTrainer
+
+
+def _check_pairs(pairs: list[dict[str, Any]]) -> bool:
+    """Raise on a malformed pair; True when the pairs are agent episodes (lists of messages), False for text."""
     if not pairs:
         raise ValueError("train_dpo: no pairs")
+    episodes = isinstance(pairs[0].get("chosen"), list)
+    if episodes:
+        for i, p in enumerate(pairs):
+            bad = [k for k in EPISODE_PAIR_KEYS if not isinstance(p.get(k), list) or not p[k]]
+            if bad:
+                raise ValueError(f"train_dpo: pairs[{i}] has missing or empty {bad}; an episode pair is "
+                                 "{'chosen': messages, 'rejected': messages}")
+        return True
     for i, p in enumerate(pairs):
         missing = [k for k in PAIR_KEYS if k not in p]
         if missing:
@@ -204,6 +296,7 @@ def _check_pairs(pairs: list[dict[str, str]]) -> None:
         bad = [k for k in PAIR_KEYS if not isinstance(p[k], str) or not p[k]]
         if bad:
             raise ValueError(f"train_dpo: pairs[{i}] has empty or non-string {bad}")
+    return False
 
 
 def _same_path(a: str, b: str) -> bool:

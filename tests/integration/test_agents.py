@@ -34,7 +34,9 @@ def agent_run(prefect_server, tmp_path_factory):
     overrides = [f"workdir={w}", "experiment=calc-micro", "rounds=1", f"policy.model={model}",
                  "bootstrap.levels=[1]", "bootstrap.seed_levels=[]", "bootstrap.problems_per_level=60",
                  "bootstrap.steps=300", "generate.problems_per_level=8", "generate.samples_per_problem=3",
-                 "train_policy.steps=5", "evaluate.problems_per_level=6", "evaluate.maj_k=2"]
+                 "train_policy.steps=5", "evaluate.problems_per_level=6", "evaluate.maj_k=2",
+                 "filter.dpo_pairs=true", "train_policy.method=sft+dpo", "train_policy.dpo.steps=3",
+                 "train_policy.dpo.batch_size=4", "train_policy.dpo.max_length=512"]
     before = os.environ.get("MLFLOW_TRACKING_URI")
     self_evolution(config_path=str(config), overrides=overrides)
     assert os.environ.get("MLFLOW_TRACKING_URI") == before  # logging traces left the process's MLflow URI alone
@@ -178,7 +180,18 @@ def test_training_reads_the_selected_episodes_turns(agent_run):
         "USING (model_id) WHERE m.experiment_id = ? AND m.round = 1 GROUP BY ALL", [cfg.experiment])
     assert rows and all(missing == 0 for _, _, missing in rows), rows
     tp = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])
-    assert tp["examples"] == sum(n for _, n, _ in rows)
+    uses = {use: n for use, n, _ in rows}
+    assert tp["examples"] == uses.get("new", 0) + uses.get("replay", 0)
+    # sft+dpo: then DPO on pairs of episodes of one problem, a right one against a wrong one, observations masked.
+    _, pairs = store.query(
+        "SELECT s.pair_id, list(s.purpose ORDER BY s.purpose), list(v.correct ORDER BY s.purpose), "
+        "count(DISTINCT t.problem_id) FROM selections s JOIN trajectories t USING (trajectory_id) "
+        "JOIN verifications v USING (trajectory_id) WHERE s.experiment_id = ? AND s.round = 1 "
+        "AND s.purpose LIKE 'dpo_%' GROUP BY s.pair_id", [cfg.experiment])
+    assert pairs and all(p[1] == ["dpo_chosen", "dpo_rejected"] and p[2] == [True, False] and p[3] == 1
+                         for p in pairs), pairs
+    assert tp["dpo_pairs"] == len(pairs) and tp["dpo_steps"] == 3 and tp["dpo_truncated"] == 0
+    assert uses.get("dpo_rejected") == len(pairs)
 
 
 def test_the_round_logs_the_loops_figures(agent_run):

@@ -143,3 +143,50 @@ def test_grpo_sees_an_episode_as_prompt_then_masked_completion_with_each_turns_a
     assert episode_rollout(enc, "t", "g", messages, 1.0, [0.5, 0.5])["advantage"] == 0.5
     with pytest.raises(ValueError, match="episode t has 2 assistant turns in its tokens and 1 turn advantages"):
         episode_rollout(enc, "t", "g", messages, 1.0, [0.5])
+
+
+def test_dpo_on_episodes_sums_each_sides_log_probabilities_over_its_sampled_turns_alone(standin, tmp_path):
+    """Two sampled episodes of one problem as TRL's DPO batch: the ids are the conversations as sampled, and the
+    completion mask that the log-probabilities sum over is 1 on the assistant's sampled ids and 0 on the prompt,
+    the headers and the tool's observations. Then train_dpo trains on such pairs and ranks chosen first."""
+    import datasets
+    from trl import DPOConfig, DPOTrainer
+
+    from components.training.dpo import (AssistantMaskCollator, DPOParams, _dpo_config, _episode_trainer,
+                                         episode_pair_rows, train_dpo)
+
+    tok = standin.tok
+    enc = ChatEncoder(tok, "standin")
+    sampler = ChatSampler(standin, enc, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=3, max_context=256)
+    problems = get_env("calculator").sample_problems(2, 3, seed=4)
+    records = EpisodeRunner(sampler, toolcalls.parse, EpisodeLimits(max_turns=3)).run(
+        [(p, Echo(p.prompt)) for p in problems for _ in range(2)])
+    pairs = [{"chosen": a.messages, "rejected": b.messages} for a, b in zip(records[::2], records[1::2], strict=True)]
+    assert all(p["chosen"] != p["rejected"] for p in pairs)
+    params = DPOParams(max_steps=1, batch_size=3, prompt_format="chat", max_length=512)
+    rows = episode_pair_rows(tok, "standin", pairs, params)
+    trainer = _episode_trainer(DPOTrainer)(model=standin.model, args=_dpo_config(DPOConfig, str(tmp_path), params,
+                                                                                   True, fp16=False),
+                                           train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
+    collate = AssistantMaskCollator(trainer.data_collator)
+    batch = collate([trainer.train_dataset[i] for i in range(len(pairs))])
+    sides = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    for j, messages in enumerate(sides):
+        ids, mask = enc.encode(messages, add_generation_prompt=False)
+        assert batch["input_ids"][j, :len(ids)].tolist() == ids
+        assert batch["completion_mask"][j].tolist() == mask + [0] * (batch["input_ids"].shape[1] - len(ids))
+        trained = [t for t, m in zip(ids, mask) if m]
+        record = records[2 * (j % len(pairs)) + j // len(pairs)]
+        assert trained == [i for t in record.turns if t.role == "assistant" for i in t.token_ids]
+        assert "<tool_response>" not in tok.decode(trained)  # the observations carry no loss
+    # TRL's own mask would have put the observations in: the override is what keeps them out.
+    assert (trainer.data_collator([trainer.train_dataset[0]])["completion_mask"].sum()
+            > batch["completion_mask"][0].sum())
+    with pytest.raises(ValueError, match=r"pairs\[0\]: the chosen and rejected episodes open with different"):
+        episode_pair_rows(tok, "standin", [{"chosen": pairs[0]["chosen"], "rejected": pairs[1]["rejected"]}], params)
+
+    metrics = train_dpo(standin.model.name_or_path, None, pairs, str(tmp_path / "dpo"),
+                        DPOParams(max_steps=6, batch_size=3, learning_rate=1e-3, prompt_format="chat",
+                                  max_length=512, logging_steps=1))
+    assert metrics["pairs"] == len(pairs) and metrics["steps"] == 6 and metrics["truncated"] == 0
+    assert metrics["rewards/accuracies"] == 1.0 and metrics["rewards/margins"] > 0

@@ -218,3 +218,9 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | grpo | {"score": {"mc_rollouts": 2}}).score.mc_rollouts == 2
     with pytest.raises(ConfigError, match="does not support score.mc_strategy=first_error yet"):
         load_config_dict(base | {"score": {"mc_rollouts": 2, "mc_strategy": "first_error"}})
+    # DPO pairs two episodes of a problem; step-level pairs come from the binary search or a tree, refused here.
+    dpo = {"filter": {"dpo_pairs": True}, "train_policy": {"method": "sft+dpo"}}
+    assert load_config_dict(base | dpo).train_policy.method == "sft+dpo"
+    with pytest.raises(ConfigError, match="does not support score.mc_strategy=first_error yet"):
+        load_config_dict(base | dpo | {"filter": {"step_dpo_pairs": True},
+                                       "score": {"mc_rollouts": 2, "mc_strategy": "first_error"}})
