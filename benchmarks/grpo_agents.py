@@ -1,5 +1,5 @@
 """grpo on an agent environment (SQL by default): outcome-only credit, turn-level credit from Monte Carlo turn
-labels, and rft, the arms side by side from one round-0 policy.
+labels, rft, and rft with DPO on episodes, the arms side by side from one round-0 policy.
 
     .venv/bin/python benchmarks/grpo_agents.py --workdir /tmp/agents-bench --seeds 0 1 --rounds 4
 
@@ -7,6 +7,8 @@ The stand-in is built once (`coevo build-model --domain <env> --size micro`, the
 Per seed, the environment's config (configs/<env>.yaml) trains a round-0 policy on reference episodes
 (`bench-<env>-boot-s<seed>`, `rounds=0`), and every arm starts from it as it is (`bootstrap.steps=0`):
 - `rft`: the config as shipped: keep the right episodes, SFT on them;
+- `rft-dpo`: rft, then DPO (40 steps) on pairs of episodes of one problem, a right one against a wrong one,
+  with the loss on the assistant's tokens alone;
 - `grpo-outcome`: recipe grpo, one advantage per episode, every assistant turn credited with it;
 - `grpo-turn`: recipe grpo with `train_policy.grpo.credit: step` (weight 0.5) on Monte Carlo turn labels
   (`score.mc_rollouts: 2`): each assistant turn is valued by going on from it, with its observations, twice, and
@@ -39,6 +41,8 @@ GRPO = ["recipe=grpo", "train_policy.method=grpo", "generate.temperature=1.0", "
         "train_policy.grpo.learning_rate=1e-4", "train_policy.grpo.epsilon_high=0.28"]
 ARMS = {
     "rft": [],
+    "rft-dpo": ["filter.dpo_pairs=true", "train_policy.method=sft+dpo", "train_policy.dpo.steps=40",
+                "train_policy.dpo.batch_size=16", "train_policy.dpo.max_length=768"],
     "grpo-outcome": GRPO,
     "grpo-turn": [*GRPO, "score.mc_rollouts=2", "train_policy.grpo.credit=step",
                   "train_policy.grpo.shaping_weight=0.5"],
