@@ -10,6 +10,9 @@ Per seed, two arms, each a round-0 policy from configs/sql.yaml's bootstrap on t
   with the same `--workdir` they are read, not run again;
 - `one-shot`: `domain.options.explore=false`: one turn, no tool; its reference episodes are the gold query alone.
 
+With `--lookup` both arms run on `domain.options.lookup_values=true` (each database spells its stored values its
+own way, and the question names them plainly), as experiments of their own (`bench-sql-lookup-*`).
+
 Reported from the store (`v_round_summary`): held-out greedy execution match per level by round, and the tokens
 each arm sampled (cumulative), with their mean per episode. Written to `--out` (JSON) too.
 """
@@ -39,6 +42,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/agents-bench"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--lookup", action="store_true",
+                    help="domain.options.lookup_values=true in both arms: stored values spelled per database")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from components.store import Store
@@ -54,6 +59,9 @@ def main() -> None:
         base = [f"workdir={args.workdir}", f"seed={seed}"]
         for arm, (boot, exp, extra) in ARMS.items():
             boot, exp = boot.format(seed=seed), exp.format(seed=seed)
+            if args.lookup:
+                boot, exp = boot.replace("bench-sql-", "bench-sql-lookup-"), exp.replace("bench-sql-", "bench-sql-lookup-")
+                extra = [*extra, "domain.options.lookup_values=true"]
             print(f"[bench] seed {seed}: {arm}", flush=True)
             _run(CONFIG, [*base, f"experiment={boot}", "rounds=0", f"policy.model={model}", *extra],
                  args.workdir / f"{boot}.log")
@@ -66,7 +74,8 @@ def main() -> None:
                 "SELECT sum(num_tokens), count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train' "
                 "AND round > 0", [exp])
             per_episode.setdefault(arm, {})[seed] = tokens / max(episodes, 1)
-    print_levels(report, "sql: held-out greedy execution match by round", "sampled")
+    print_levels(report, "sql" + (" (lookup_values)" if args.lookup else "") + ": held-out greedy execution match by "
+                 "round", "sampled")
     print(f"\nround {args.rounds}, mean over levels, and tokens sampled per training episode")
     for arm, seeds in report.items():
         print(f"{arm:13s} " + "  ".join(f"seed {s}: {mean(rs[-1]):.3f} at {rs[-1]['budget']} tokens "

@@ -10,7 +10,11 @@ Two sources:
 
 The agent may run exploratory queries (`run_sql`) and answers with a turn that holds no call: its last
 ```sql block (or the whole turn). With `explore=False` it answers in one turn, with no tool: the one-shot
-baseline the agent is measured against (its reference episodes are the gold query alone).
+baseline the agent is measured against (its reference episodes are the gold query alone). With
+`lookup_values=True` each generated database stores its countries, categories, cities and department names in
+a style of its own (as written, UPPER, lower, or a three-letter code, `SPELLINGS`) while the question names them
+plainly, as BIRD's questions name values the data spells otherwise: a filter on one is right only after a look
+at the data, which the reference episodes take (`SELECT DISTINCT country FROM customers`).
 
 Execution is read-only and bounded: an authorizer lets through reads and nothing else (no ATTACH, PRAGMA, writes
 or extensions), a progress handler ends a query past `timeout_s`, and at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
@@ -55,9 +59,18 @@ class SqlError(ValueError):
     """A database or questions file that cannot be used: names the file and the row."""
 
 
-def _company(rng: random.Random) -> str:
+# How a database stores its categorical values (`lookup_values`): each database draws one style, so the
+# question's plain name ("Spain") is not the value to filter on ('SPA'), and only a look at the data says which.
+SPELLINGS = {"plain": str, "upper": str.upper, "lower": str.lower, "code": lambda v: v[:3].upper()}
+# The parameters that are stored values, and the query that shows how a database spells each.
+LOOKUPS = {"country": "SELECT DISTINCT country FROM customers", "category": "SELECT DISTINCT category FROM products",
+           "city": "SELECT DISTINCT city FROM departments", "dept": "SELECT name FROM departments"}
+
+
+def _company(rng: random.Random, spell=str) -> str:
     depts = rng.sample(DEPTS, 4)
-    rows = [f"INSERT INTO departments VALUES ({i + 1}, '{d}', '{rng.choice(CITIES)}');" for i, d in enumerate(depts)]
+    rows = [f"INSERT INTO departments VALUES ({i + 1}, '{spell(d)}', '{spell(rng.choice(CITIES))}');"
+            for i, d in enumerate(depts)]
     salaries = rng.sample(range(30, 121), 12)  # distinct, so "best paid" has no ties
     for i, name in enumerate(rng.sample(NAMES, 12)):
         rows.append(f"INSERT INTO employees VALUES ({i + 1}, '{name}', {rng.randint(1, 4)}, {salaries[i] * 1000}, "
@@ -71,11 +84,11 @@ def _company(rng: random.Random) -> str:
             "budget INTEGER);\n" + "\n".join(rows))
 
 
-def _shop(rng: random.Random) -> str:
-    rows = [f"INSERT INTO customers VALUES ({i + 1}, '{n}', '{rng.choice(COUNTRIES)}');"
+def _shop(rng: random.Random, spell=str) -> str:
+    rows = [f"INSERT INTO customers VALUES ({i + 1}, '{n}', '{spell(rng.choice(COUNTRIES))}');"
             for i, n in enumerate(rng.sample(NAMES, 8))]
     prices = rng.sample(range(3, 80), 8)
-    rows += [f"INSERT INTO products VALUES ({i + 1}, 'item{i + 1}', '{rng.choice(CATEGORIES)}', {prices[i]});"
+    rows += [f"INSERT INTO products VALUES ({i + 1}, 'item{i + 1}', '{spell(rng.choice(CATEGORIES))}', {prices[i]});"
              for i in range(8)]
     rows += [f"INSERT INTO orders VALUES ({i + 1}, {rng.randint(1, 7)}, {rng.randint(1, 8)}, {rng.randint(1, 5)}, "
              f"{rng.randint(2019, 2024)});" for i in range(16)]
@@ -210,6 +223,7 @@ class SqlEnv(FileProblems):
     tools: tuple[Tool, ...] = (Tool("run_sql", "Run a read-only SQLite query on the database; see its rows.",
                                     TOOL_SCHEMA, None),)
     explore: bool = True  # False: one turn, no run_sql (the one-shot baseline)
+    lookup_values: bool = False  # True: each database spells its stored values its own way (SPELLINGS)
     _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -226,13 +240,19 @@ class SqlEnv(FileProblems):
         for _ in range(100):
             schema = rng.choice(sorted(s for s in SCHEMAS if QUESTIONS[level].get(s)))
             db_seed = rng.randrange(10**9)
-            question, gold = rng.choice(QUESTIONS[level][schema])
+            question, template = rng.choice(QUESTIONS[level][schema])
             params = _params(rng)
-            question, gold = question.format(**params), gold.format(**params)
-            script = SCHEMAS[schema](random.Random(db_seed))
+            spelling = rng.choice(sorted(SPELLINGS)) if self.lookup_values else "plain"
+            spell = SPELLINGS[spelling]
+            stored = {k: spell(v) if k in LOOKUPS else v for k, v in params.items()}
+            question, gold = question.format(**params), template.format(**stored)
+            script = SCHEMAS[schema](random.Random(db_seed), spell)
             _, rows = execute(connect(script), gold, self.timeout_s, 10 * self.max_rows)
             if rows and rows[0] != (None,) and rows[0] != (0,):  # a question whose answer is nothing teaches nothing
                 meta = {"schema": schema, "db_seed": db_seed, "gold": gold, "ordered": "ORDER BY" in gold.upper()}
+                if self.lookup_values:
+                    meta |= {"spelling": spelling,
+                             "lookup": next((q for k, q in LOOKUPS.items() if f"{{{k}}}" in template), None)}
                 # The database's name is in the prompt: the same question on another database is another problem.
                 prompt = f"Database {schema}-{db_seed}. {self._describe(script)}\nQuestion: {question}"
                 return Problem.make(self.name, level, prompt, gold, meta)
@@ -280,7 +300,8 @@ class SqlEnv(FileProblems):
     def _database(self, problem: Problem) -> sqlite3.Connection:
         if "db_path" in problem.meta:
             return connect(path=problem.meta["db_path"])
-        return connect(SCHEMAS[problem.meta["schema"]](random.Random(problem.meta["db_seed"])))
+        spell = SPELLINGS[problem.meta.get("spelling", "plain")]
+        return connect(SCHEMAS[problem.meta["schema"]](random.Random(problem.meta["db_seed"]), spell))
 
     def episode(self, problem: Problem) -> ToolEpisode:
         return ToolEpisode(self, problem, self.limits)
@@ -316,11 +337,13 @@ class SqlEnv(FileProblems):
         return float(want == got if problem.meta["ordered"] else Counter(want) == Counter(got))
 
     def reference_episode(self, problem: Problem) -> list[Message]:
-        """One exploratory query (a few rows of the first table the gold query reads), its result, then the
-        gold query as the answer; with `explore=False`, the answer alone."""
+        """One exploratory query, its result, then the gold query as the answer; with `explore=False`, the answer
+        alone. The query looks up how the database spells the value the question filters on (`lookup_values`),
+        or else shows a few rows of the first table the gold query reads."""
         answer = f"```sql\n{problem.meta['gold']}\n```"
         if not self.explore:
             return reference_messages(self, problem, [(answer, None)], self.limits)
         table = re.search(r"\bFROM\s+(\w+)", problem.meta["gold"], re.I).group(1)
-        look = toolcalls.format_call("run_sql", {"query": f"SELECT * FROM {table} LIMIT 3"})
+        query = problem.meta.get("lookup") or f"SELECT * FROM {table} LIMIT 3"
+        look = toolcalls.format_call("run_sql", {"query": query})
         return reference_messages(self, problem, [(look, None), (answer, None)], self.limits)

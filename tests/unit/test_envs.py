@@ -3,6 +3,7 @@ the adapters. The agent here is scripted (reference episodes replayed, or fixed 
 the environments' side of each turn."""
 
 import json
+import re
 import sqlite3
 
 import pytest
@@ -425,3 +426,34 @@ def test_sql_one_shot_answers_in_one_turn_with_no_tool_over_the_same_problems():
     [rec] = EpisodeRunner(scripted({problems[0].prompt: [look]}), toolcalls.parse, one_shot.limits).run(
         [(problems[0], one_shot.episode(problems[0]))])
     assert (rec.status, rec.reward) == ("truncated_turns", 0.0) and rec.turns[-1].content.startswith("error: unknown")
+
+
+def test_sql_lookup_values_are_spelled_per_database_so_only_a_look_at_the_data_answers():
+    """`lookup_values=True`: each database stores its categorical values in a style of its own while the question
+    names them plainly. The reference episode looks the spelling up and scores 1; the plain name scores 0 wherever
+    the stored spelling differs from it (all but the plain style, and lower case for the lower-case categories).
+    The default environment stores the plain names."""
+    from components.envs.sql import CATEGORIES, CITIES, COUNTRIES, DEPTS, SPELLINGS
+
+    env = SqlEnv(lookup_values=True)
+    problems = [p for lv in (1, 3) for p in env.sample_problems(lv, 12, seed=5)]
+    looked = [p for p in problems if p.meta["lookup"]]
+    assert {p.meta["spelling"] for p in looked} == {"plain", "upper", "lower", "code"}
+    records, _ = replay(env, problems)
+    assert [r.reward for r in records] == [1.0] * len(problems)
+    names = CATEGORIES + CITIES + COUNTRIES + DEPTS
+    for p, rec in zip(problems, records, strict=True):
+        call, seen = [t.content for t in rec.turns if t.role in ("assistant", "tool")][:2]
+        assert (p.meta["lookup"] or "LIMIT 3") in call
+        if not p.meta["lookup"]:
+            continue
+        value = re.search(r"'([^']+)'", p.meta["gold"]).group(1)
+        assert value in seen  # the observation shows the stored spelling
+        [plain] = [n for n in names if SPELLINGS[p.meta["spelling"]](n) == value]
+        assert plain in p.prompt and (value == plain) == (p.meta["spelling"] == "plain" or plain == plain.lower()
+                                                          and p.meta["spelling"] == "lower")
+        guessed = env.score(p, "```sql\n" + p.meta["gold"].replace(f"'{value}'", f"'{plain}'") + "\n```")
+        assert guessed == float(value == plain), p.meta
+    assert sum(SPELLINGS[p.meta["spelling"]](n) != n for p in looked for n in names if n in p.prompt) > len(looked) / 2
+    for p in SqlEnv().sample_problems(3, 6, seed=5):
+        assert "spelling" not in p.meta and re.search(r"'([^']+)'", p.meta["gold"]).group(1) in names
