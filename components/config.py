@@ -779,22 +779,23 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{where}: its turns are chat messages with tool calls; set policy.prompt_format=chat and "
                              "policy.model to a model with a chat template (`coevo build-model --domain "
                              f"{self.domain.name}` makes a stand-in)")
+        rm = self.score.reward_model
         unsupported = {"score.mc_strategy=first_error": self.score.mc_rollouts != 0
                        and self.score.mc_strategy == "first_error",
-                       f"score.reward_model={self.score.reward_model}": self.score.reward_model not in ("none", "prm"),
+                       f"score.reward_model={rm}": rm not in ("none", "prm", "implicit"),
                        "train_reward.orm": self.train_reward.enabled and self.train_reward.orm,
                        "generate.search": self.generate.search is not None,
                        "generate.mcts": self.generate.mcts is not None,
                        "score.tree": self.score.tree is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
-                       "evaluate.best_of_n": bool(self.evaluate.best_of_n),
                        "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
-            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (the implicit PRM, the "
-                             "ORM and search are still to come); Monte Carlo turn labels (score.mc_rollouts, "
-                             "mc_strategy every_prefix), the PRM, DPO on episodes and grpo's step credit work")
+            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (the ORM and search "
+                             "are still to come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy "
+                             "every_prefix), the PRM, the implicit PRM, best-of-N, DPO on episodes and grpo's step "
+                             "credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

@@ -66,13 +66,19 @@ def load_reward_model(name: str, uri: str | None = None, *, separator: str = "\n
 
 
 def score_rows(rm: RewardModel, model_id: str | None, trajectories: list[dict[str, Any]],
-               steps: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """`scores` rows of a reward model over trajectories: every step plus min/last/mean, or one per trajectory."""
+               steps: dict[str, list[str]], episodes: dict[str, list[dict[str, Any]]] | None = None
+               ) -> list[dict[str, Any]]:
+    """`scores` rows of a reward model over trajectories: every step plus min/last/mean, or one per trajectory.
+    `episodes` (an environment's conversations by trajectory id, as sampled) go to a model that reads the sampled
+    tokens themselves (`score_episodes`: the implicit PRM); a model that reads text gets the steps."""
     from components.scoring import step_score_rows, trajectory_score_rows
 
     tids = [t["trajectory_id"] for t in trajectories]
-    values = rm.score([t["prompt"] for t in trajectories], [t["completion"] for t in trajectories],
-                      [steps.get(t, []) for t in tids])
+    if episodes is not None and hasattr(rm, "score_episodes"):
+        values = rm.score_episodes([episodes[t] for t in tids])
+    else:
+        values = rm.score([t["prompt"] for t in trajectories], [t["completion"] for t in trajectories],
+                          [steps.get(t, []) for t in tids])
     if rm.granularity == "outcome":
         return trajectory_score_rows(tids, [v[0] for v in values], rm.name, model_id)
     return step_score_rows(tids, values, rm.name, model_id)

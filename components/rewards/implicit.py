@@ -9,6 +9,10 @@ beta * log(pi(y_t | y_<t) / pi_ref(y_t | y_<t)); a step's reward is their sum ov
 separator included), so the steps' rewards add up to beta times the sequence log-ratio. beta = 0.05 is
 PRIME's value. Prompts are rendered in the policy's `prompt_format` and each trajectory is tokenized as
 one text (`prm.encode_steps`), so both models read the tokens the policy wrote.
+
+An agent's episode is scored turn by turn (`score_episodes`): the conversation is encoded append-only, as it was
+sampled (`envs.agent.ChatEncoder`), and a turn's reward sums the log-ratio over the tokens that assistant turn
+wrote. Observations, tool results and the template's headers are the environment's, so they carry none.
 """
 
 from __future__ import annotations
@@ -37,39 +41,86 @@ class ImplicitPRM:
         return implicit_step_rewards(self.policy_path, self.reference_path, prompts, steps, beta=self.beta,
                                      separator=self.separator, prompt_format=self.prompt_format)
 
+    def score_episodes(self, chats: list[list[dict[str, Any]]]) -> list[list[float]]:
+        return implicit_turn_rewards(self.policy_path, self.reference_path, chats, beta=self.beta)
+
+
+def _load_pair(policy_path: str, reference_path: str, dev: str, where: str):
+    from components.models.tiny import load_policy
+
+    policy, tok = load_policy(policy_path, device=dev)
+    reference, ref_tok = load_policy(reference_path, device=dev)
+    if tok.get_vocab() != ref_tok.get_vocab():
+        raise ValueError(f"{where}: {policy_path} and {reference_path} have different tokenizers; "
+                         "a log-ratio needs the same token ids")
+    return policy, reference, tok
+
+
+def _log_ratios(policy: Any, reference: Any, ids: list[list[int]], pad_id: int, beta: float, dev: str,
+                batch_size: int):
+    """Per sequence, beta * (log pi - log pi_ref) of token t at index t - 1, batched by length."""
+    import torch
+
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out: dict[int, Any] = {}
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        x, mask = pad_right([ids[i] for i in idx], pad_id)
+        x, mask = x.to(dev), mask.to(dev)
+        with torch.inference_mode():
+            logps = [token_logprobs(m(input_ids=x, attention_mask=mask).logits, x) for m in (policy, reference)]
+            ratio = (beta * (logps[0] - logps[1])).cpu()
+        out |= {i: ratio[row] for row, i in enumerate(idx)}
+    return out
+
+
+def implicit_turn_rewards(policy_path: str, reference_path: str, chats: list[list[dict[str, Any]]],
+                          beta: float = 0.05, batch_size: int = 32, device_name: str | None = None) -> list[list[float]]:
+    """Per episode, one reward per assistant turn: beta * sum of log pi - log pi_ref over the ids that turn
+    sampled, in the conversation as it was sampled."""
+    from components.envs.agent import ChatEncoder
+
+    dev = device_name or device()
+    policy, reference, tok = _load_pair(policy_path, reference_path, dev, "implicit_turn_rewards")
+    enc = ChatEncoder(tok, policy_path)
+    encoded = [enc.encode(chat, add_generation_prompt=False) for chat in chats]
+    spans: list[list[tuple[int, int]]] = []
+    for k, (chat, (_, mask)) in enumerate(zip(chats, encoded, strict=True)):
+        runs, start = [], None
+        for t, m in enumerate([*mask, 0]):
+            if m and start is None:
+                start = t
+            elif not m and start is not None:
+                runs.append((start, t))
+                start = None
+        turns = sum(m["role"] == "assistant" for m in chat)
+        if len(runs) != turns:
+            raise ValueError(f"implicit_turn_rewards: episode {k} has {turns} assistant turns but {len(runs)} "
+                             "runs of assistant tokens")
+        spans.append(runs)
+    ratios = _log_ratios(policy, reference, [ids for ids, _ in encoded], tok.pad_token_id, beta, dev, batch_size)
+    # Token t's log-ratio sits at index t - 1; a turn never starts at token 0 (the system turn comes first).
+    return [[float(ratios[k][a - 1:b - 1].sum()) for a, b in runs] for k, runs in enumerate(spans)]
+
 
 def implicit_step_rewards(policy_path: str, reference_path: str, prompts: list[str], steps: list[list[str]],
                           beta: float = 0.05, batch_size: int = 64, device_name: str | None = None,
                           separator: str = STEP_SEPARATOR,
                           prompt_format: PromptFormat | dict[str, Any] | str | None = None) -> list[list[float]]:
     """Per trajectory, one reward per step: beta * sum of log pi - log pi_ref over the step's tokens."""
-    import torch
-
-    from components.models.tiny import load_policy
-
     if len(prompts) != len(steps):
         raise ValueError(f"implicit_step_rewards: {len(prompts)} prompts but {len(steps)} step lists")
     dev = device_name or device()
-    policy, tok = load_policy(policy_path, device=dev)
-    reference, ref_tok = load_policy(reference_path, device=dev)
-    if tok.get_vocab() != ref_tok.get_vocab():
-        raise ValueError(f"implicit_step_rewards: {policy_path} and {reference_path} have different tokenizers; "
-                         "a log-ratio needs the same token ids")
+    policy, reference, tok = _load_pair(policy_path, reference_path, dev, "implicit_step_rewards")
     fmt = PromptFormat.of(prompt_format)
     check_prompt_format(tok, fmt, policy_path)
     # The same tokenisation as the PRM: the rendered prompt and each step then its separator, as one text.
     enc = [encode_steps(tok, render_prompt(tok, p, fmt), s, separator) for p, s in zip(prompts, steps)]
-    order = sorted((i for i, e in enumerate(enc) if e.ends), key=lambda i: len(enc[i].ids))
+    scored = [i for i, e in enumerate(enc) if e.ends]
+    ratios = _log_ratios(policy, reference, [enc[i].ids for i in scored], tok.pad_token_id, beta, dev, batch_size)
     out: list[list[float]] = [[] for _ in prompts]
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        ids, mask = pad_right([enc[i].ids for i in idx], tok.pad_token_id)
-        ids, mask = ids.to(dev), mask.to(dev)
-        with torch.inference_mode():
-            logps = [token_logprobs(m(input_ids=ids, attention_mask=mask).logits, ids) for m in (policy, reference)]
-            ratio = (beta * (logps[0] - logps[1])).cpu()
-        for row, i in enumerate(idx):
-            # Step j holds tokens (ends[j-1], ends[j]]; token t's log-ratio sits at index t - 1.
-            bounds = [enc[i].prompt_len - 1, *enc[i].ends]
-            out[i] = [float(ratio[row, max(lo, 0):hi].sum()) for lo, hi in zip(bounds, bounds[1:])]
+    for row, i in enumerate(scored):
+        # Step j holds tokens (ends[j-1], ends[j]]; token t's log-ratio sits at index t - 1.
+        bounds = [enc[i].prompt_len - 1, *enc[i].ends]
+        out[i] = [float(ratios[row][max(lo, 0):hi].sum()) for lo, hi in zip(bounds, bounds[1:])]
     return out

@@ -242,12 +242,15 @@ def problems_by_id(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def reward_scores(spec: StageSpec, name: str, uri: str | None, model_id: str | None, trajs: list[dict[str, Any]],
-                  steps: dict[str, list[str]], reference_uri: str | None = None) -> list[dict[str, Any]]:
-    """`scores` rows of one reward model over `trajs`, built with the domain's step separator."""
+                  steps: dict[str, list[str]], reference_uri: str | None = None,
+                  turns: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """`scores` rows of one reward model over `trajs`, built with the domain's step separator. An environment's
+    episodes also pass their `turns` rows, for a model that reads the sampled tokens (the implicit PRM)."""
+    from components.envs.rollout import conversations
     from components.rewards import score_rows
 
     rm = reward_model_of(spec, name, uri, reference_uri=reference_uri)
-    return score_rows(rm, model_id, trajs, steps)
+    return score_rows(rm, model_id, trajs, steps, conversations(turns) if turns is not None else None)
 
 
 def reward_model_of(spec: StageSpec, name: str, uri: str | None, reference_uri: str | None = None,

@@ -88,7 +88,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         score_rows = []
         for role in roles:
             score_rows += reward_scores(spec, role, getattr(inp, f"{role}_uri"), getattr(inp, f"{role}_model_id"),
-                                        batch.trajectories, steps, reference_uri=inp.reference_uri)
+                                        batch.trajectories, steps, reference_uri=inp.reference_uri,
+                                        turns=episodes["turns"] if is_agent(domain) else None)
         tables |= {"scores": score_rows, "step_labels": oracle_rows}
     metrics = backend_metrics(backend) | ({f"agent_{k}": float(v) for k, v in stats.items()} if episodes else {})
     if spec.shards > 1:  # the rows are over all shards' trajectories: `merge` computes them

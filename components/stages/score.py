@@ -135,7 +135,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         metrics["oracle_labelled_steps"] = len(oracle)
     if inp.reward_model is not None:
         rows += reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
-                              reference_uri=inp.reference_uri)
+                              reference_uri=inp.reference_uri,
+                              turns=spec.rows("generate", "turns") if is_agent(domain) else None)
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
     write(out, scores=rows, step_labels=labels, step_pairs=pairs, nodes=nodes)
     return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None)

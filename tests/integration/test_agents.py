@@ -36,7 +36,8 @@ def agent_run(prefect_server, tmp_path_factory):
                  "bootstrap.steps=300", "generate.problems_per_level=8", "generate.samples_per_problem=3",
                  "train_policy.steps=5", "evaluate.problems_per_level=6", "evaluate.maj_k=2",
                  "filter.dpo_pairs=true", "train_policy.method=sft+dpo", "train_policy.dpo.steps=3",
-                 "train_policy.dpo.batch_size=4", "train_policy.dpo.max_length=512"]
+                 "train_policy.dpo.batch_size=4", "train_policy.dpo.max_length=512",
+                 "score.reward_model=implicit", "evaluate.best_of_n=[2]"]
     before = os.environ.get("MLFLOW_TRACKING_URI")
     self_evolution(config_path=str(config), overrides=overrides)
     assert os.environ.get("MLFLOW_TRACKING_URI") == before  # logging traces left the process's MLflow URI alone
@@ -47,7 +48,8 @@ def agent_run(prefect_server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def agent_grpo(agent_run):
     """recipe grpo on the same environment, from agent_run's round-0 policy: two rounds of groups of episodes, with
-    turn credit from Monte Carlo turn labels (round 1) and from the PRM that round 1 trained on them (round 2)."""
+    turn credit from Monte Carlo turn labels (round 1) and from the PRM that round 1 trained on them (round 2);
+    each round's evaluation ranks two sampled episodes per held-out problem by that round's PRM (best-of-2)."""
     from flows.evolution import self_evolution
 
     cfg, store = agent_run
@@ -60,7 +62,7 @@ def agent_grpo(agent_run):
                  "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1",
                  "score.mc_rollouts=2", "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5",
                  "train_reward.enabled=true", "train_reward.steps=20", "train_reward.demos=true",
-                 "score.reward_model=prm"]
+                 "score.reward_model=prm", "evaluate.best_of_n=[2]"]
     self_evolution(config_path=str(config), overrides=overrides)
     grpo = load_config(config, overrides)
     return grpo, Store.for_config(grpo)
@@ -124,6 +126,52 @@ def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(age
     assert trained == logprobs > 0 and steps >= 1
     # The log-probabilities run over the tokens the model sampled, never the tool's observations.
     assert tokens == assistant_tokens
+
+
+def test_the_prm_picks_the_best_of_n_held_out_episodes_by_their_weakest_turn(agent_grpo):
+    """prm_bon_at_2, recomputed in SQL: per held-out problem, of its two sampled episodes (sample 0 is greedy), the
+    one whose weakest turn the round's PRM scores highest (ties: the earlier); the share of those that are right."""
+    cfg, store = agent_grpo
+    _, rows = store.query(
+        "WITH s AS (SELECT t.round, t.problem_id, t.sample_index, v.correct, m.value, "
+        "           (SELECT count(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id AND u.role = 'assistant') "
+        "           AS turns, (SELECT count(*) FROM scores x WHERE x.trajectory_id = t.trajectory_id "
+        "           AND x.scorer = 'prm' AND x.aggregate = 'step') AS scored "
+        "           FROM trajectories t JOIN verifications v USING (trajectory_id) "
+        "           JOIN scores m ON m.trajectory_id = t.trajectory_id AND m.scorer = 'prm' AND m.aggregate = 'min' "
+        "           JOIN models p ON p.model_id = m.model_id AND p.role = 'prm' AND p.round = t.round "
+        "           WHERE t.experiment_id = ? AND t.purpose = 'eval' AND t.sample_index BETWEEN 1 AND 2), "
+        "     pick AS (SELECT round, problem_id, arg_max(correct::INT, [value, -sample_index]) AS ok, "
+        "              bool_and(turns = scored) AS every_turn, count(*) AS n FROM s GROUP BY ALL) "
+        "SELECT p.round, avg(p.ok), bool_and(p.every_turn), min(p.n), max(e.value) FROM pick p "
+        "JOIN evaluations e ON e.experiment_id = ? AND e.round = p.round AND e.metric = 'prm_bon_at_2' "
+        " AND e.level = -1 GROUP BY p.round ORDER BY p.round", [cfg.experiment] * 2)
+    assert [r[0] for r in rows] == [1, 2], rows
+    for _, recomputed, every_turn, n, logged in rows:
+        assert every_turn and n == 2 and abs(recomputed - logged) < 1e-9, rows
+
+
+def test_the_implicit_prm_scores_each_held_out_episode_turn_by_turn(agent_run):
+    """score.reward_model=implicit: round 1's evaluation scores each held-out episode by the log-ratio of round 1's
+    policy to round 0's, one step score per assistant turn, and ranks its two samples by the weakest (best-of-2)."""
+    cfg, store = agent_run
+    _, rows = store.query(
+        "SELECT t.trajectory_id, count(*) FILTER (WHERE s.aggregate = 'step'), "
+        "(SELECT count(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id AND u.role = 'assistant'), "
+        "max(abs(s.value)) FILTER (WHERE s.aggregate = 'step'), "
+        "abs(min(s.value) FILTER (WHERE s.aggregate = 'step') - any_value(s.value) FILTER (WHERE s.aggregate = "
+        "'min')) < 1e-9 "
+        "FROM trajectories t JOIN scores s USING (trajectory_id) JOIN models m ON m.model_id = s.model_id "
+        "WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'eval' AND s.scorer = 'implicit' "
+        "AND m.role = 'policy' AND m.round = 1 GROUP BY t.trajectory_id", [cfg.experiment])
+    _, [(episodes,)] = store.query("SELECT count(*) FROM trajectories WHERE experiment_id = ? AND round = 1 "
+                                   "AND purpose = 'eval'", [cfg.experiment])
+    assert len(rows) == episodes > 0
+    assert all(steps == turns and min_is_min for _, steps, turns, _, min_is_min in rows), rows
+    assert max(r[3] for r in rows) > 0  # round 1's policy moved away from round 0's
+    _, bon = store.query("SELECT value FROM evaluations WHERE experiment_id = ? AND round = 1 "
+                         "AND metric = 'implicit_bon_at_2' AND level = -1", [cfg.experiment])
+    assert len(bon) == 1 and 0.0 <= bon[0][0] <= 1.0
 
 
 def test_every_turn_of_every_episode_is_stored_with_its_sampled_ids(agent_run):

@@ -4,6 +4,8 @@ the assistant's tokens and nothing else."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from components.envs import get_env, toolcalls
@@ -190,3 +192,45 @@ def test_dpo_on_episodes_sums_each_sides_log_probabilities_over_its_sampled_turn
                                   max_length=512, logging_steps=1))
     assert metrics["pairs"] == len(pairs) and metrics["steps"] == 6 and metrics["truncated"] == 0
     assert metrics["rewards/accuracies"] == 1.0 and metrics["rewards/margins"] > 0
+
+
+def test_the_implicit_prm_rewards_each_turn_by_the_log_ratio_over_the_ids_it_sampled(standin, tmp_path):
+    """An episode's implicit turn rewards: beta * (log pi - log pi_ref) summed over each assistant turn's sampled
+    ids in the conversation as sampled, recomputed here by one forward pass each; nothing from the observations."""
+    import torch
+
+    from components.rewards import save_checkpoint
+    from components.rewards.implicit import implicit_turn_rewards
+
+    tok = standin.tok
+    enc = ChatEncoder(tok, "standin")
+    sampler = ChatSampler(standin, enc, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=5, max_context=256)
+    problems = get_env("calculator").sample_problems(2, 3, seed=6)
+    chats = [r.messages for r in EpisodeRunner(sampler, toolcalls.parse, EpisodeLimits(max_turns=3)).run(
+        [(p, Echo(p.prompt)) for p in problems])]
+    policy = tmp_path / "policy"
+    moved = copy.deepcopy(standin.model)
+    with torch.no_grad():
+        for w in moved.parameters():
+            w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
+    save_checkpoint(moved, tok, str(policy))
+    rewards = implicit_turn_rewards(str(policy), standin.model.name_or_path, chats, beta=0.5, device_name="cpu")
+    for chat, got in zip(chats, rewards, strict=True):
+        ids, mask = enc.encode(chat, add_generation_prompt=False)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logp = [m(input_ids=x).logits[0, :-1].float().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+                    for m in (moved.eval(), standin.model)]
+        per_token = 0.5 * (logp[0] - logp[1])  # token t at index t - 1
+        turns, t = [], 0
+        while t < len(ids):
+            if mask[t]:
+                start = t
+                while t < len(ids) and mask[t]:
+                    t += 1
+                turns.append(float(per_token[start - 1:t - 1].sum()))
+            t += 1
+        assert len(got) == len(turns) == 3
+        assert got == pytest.approx(turns, abs=1e-4) and any(abs(v) > 1e-3 for v in got)
+    same = implicit_turn_rewards(standin.model.name_or_path, standin.model.name_or_path, chats[:1], device_name="cpu")
+    assert same == [[0.0, 0.0, 0.0]]

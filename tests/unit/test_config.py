@@ -210,6 +210,12 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
         load_config_dict(base | {"policy": {"model": "m"}})
     coevo = {"recipe": "coevo", "score": {"reward_model": "prm", "mc_rollouts": 2}, "train_reward": {"enabled": True}}
     assert load_config_dict(base | coevo).train_reward.enabled  # a PRM on episodes: its turns are its steps
+    assert load_config_dict(base | coevo | {"evaluate": {"best_of_n": [4]}}).evaluate.best_of_n == [4]
+    implicit = {"score": {"reward_model": "implicit"}, "evaluate": {"best_of_n": [2]}}
+    assert load_config_dict(base | implicit).score.reward_model == "implicit"  # the log-ratio over each turn's ids
+    with pytest.raises(ConfigError, match="does not support score.reward_model=orm, train_reward.orm yet"):
+        load_config_dict(base | coevo | {"score": {"reward_model": "orm", "mc_rollouts": 2},
+                                         "train_reward": {"enabled": True, "orm": True}})
     with pytest.raises(ConfigError, match="does not support train_reward.orm, filter.check_steps yet"):
         load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
                                          "filter": {"check_steps": True}})
