@@ -16,6 +16,9 @@ from typing import Any, ClassVar, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from components.domains import DOMAINS
+
+
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the file and field."""
 
@@ -234,14 +237,15 @@ class ScoreConfig(_Section):
                             "by verifier outcome only (round 1 of a coevo run has no previous reward model yet). "
                             "'prm' or 'orm': the one train_reward trained. 'implicit': no reward model to train; "
                             "the step reward is beta * log(policy / round-0 policy) summed over the step (Free "
-                            "Process Rewards, PRIME), from round 2 on. A dotted path 'pkg.module:Class' builds "
-                            "a components.rewards.RewardModel that trains nothing, every round.")
+                            "Process Rewards, PRIME), from round 2 on. 'env': an environment's own turn rewards "
+                            "(StepResult.reward; a turn given none scores 0). A dotted path 'pkg.module:Class' "
+                            "builds a components.rewards.RewardModel that trains nothing, every round.")
 
     @field_validator("reward_model")
     @classmethod
     def _known_reward_model(cls, v: str) -> str:
-        if v not in ("none", "prm", "orm", "implicit") and ":" not in v:
-            raise ValueError(f"unknown reward model {v!r}: use none, prm, orm, implicit or a dotted path "
+        if v not in ("none", "prm", "orm", "implicit", "env") and ":" not in v:
+            raise ValueError(f"unknown reward model {v!r}: use none, prm, orm, implicit, env or a dotted path "
                              "'pkg.module:Class'")
         return v
     implicit_beta: float = Field(0.05, gt=0.0, description="beta of the implicit PRM (PRIME's value).")
@@ -698,6 +702,10 @@ class ExperimentConfig(_Section):
             )
         if self.score.reward_model == "orm" and not self.train_reward.orm:
             raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
+        if self.score.reward_model == "env" and self.domain.name in DOMAINS:
+            raise ValueError(f"score.reward_model='env' reads the turn rewards an environment gives; "
+                             f"domain.name={self.domain.name!r} is a text domain with none: use an environment "
+                             "(calculator, sql, code, or one of your own)")
         if self.filter.judge == "round":
             where = "filter.judge=round: this round's PRM judges its right answers"
             if not self.train_reward.enabled or self.train_policy.method == "grpo":
@@ -782,7 +790,7 @@ class ExperimentConfig(_Section):
         rm = self.score.reward_model
         unsupported = {"score.mc_strategy=first_error": self.score.mc_rollouts != 0
                        and self.score.mc_strategy == "first_error",
-                       f"score.reward_model={rm}": rm not in ("none", "prm", "implicit"),
+                       f"score.reward_model={rm}": rm not in ("none", "prm", "implicit", "env"),
                        "train_reward.orm": self.train_reward.enabled and self.train_reward.orm,
                        "generate.search": self.generate.search is not None,
                        "generate.mcts": self.generate.mcts is not None,

@@ -11,6 +11,9 @@ is. The last assistant turn is labelled by the episode's own verification: nothi
 (`labeling.mc_step_labels` does the same for text). Identical prefixes, as when episodes of one problem open
 with the same tool call, are rolled out once and share their label. Rows are `step_labels` rows, `step_index`
 the assistant turn's place among the episode's assistant turns (its `steps` row).
+
+An environment that rewards turns itself (`StepResult.reward`, as skyrl-gym's do) needs no rollouts:
+`env_turn_rewards` reads them back from the stored turns.
 """
 
 from __future__ import annotations
@@ -74,3 +77,32 @@ def mc_turn_labels(env: Any, generate: Any, items: list[dict[str, Any]], k: int,
              "replay_mismatches": sum(rec.replay_mismatch for rec in records),
              "rollout_errors": sum(rec.status == "error" for rec in records)}
     return rows, stats
+
+
+def env_turn_rewards(turns: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each episode's own turn rewards (`score.reward_model: env`): what the environment gave each assistant turn
+    (`StepResult.reward`, stored in `turns.reward` on the turn that earned it), in turn order; a turn given none
+    scores 0. An episode that ended `done` has its outcome reward on its last turn.
+
+    >>> rows = [{"trajectory_id": "t", "turn_index": i, "role": r, "reward": v}
+    ...         for i, (r, v) in enumerate([("system", None), ("user", None), ("assistant", 0.5), ("user", None),
+    ...                                     ("assistant", None), ("assistant", 1.0)])]
+    >>> env_turn_rewards(rows)
+    {'t': [0.5, 0.0, 1.0]}
+    """
+    out: dict[str, list[float]] = {}
+    for r in sorted(turns, key=lambda r: (r["trajectory_id"], r["turn_index"])):
+        if r["role"] == "assistant":
+            out.setdefault(r["trajectory_id"], []).append(0.0 if r["reward"] is None else float(r["reward"]))
+    return out
+
+
+def env_score_rows(trajectories: list[dict[str, Any]], turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`scores` rows (scorer `env`) of the episodes' own turn rewards: one per assistant turn, then min/last/mean,
+    as a PRM's step scores are written, so the filter and grpo's step credit read them the same way."""
+    from components.scoring import step_score_rows
+
+    given = env_turn_rewards(turns)
+    tids = [t["trajectory_id"] for t in trajectories]
+    return step_score_rows(tids, [given.get(t, []) for t in tids], "env", None)
+

@@ -43,7 +43,7 @@ def plan(p: Planner) -> Inputs:
         trained = p.optional_model(p.round - 1, rm)
         if trained:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
             inputs = Inputs(policy["uri"], policy["model_id"], rm, trained["uri"], trained["model_id"])
-    elif rm != "none" and rm not in REWARD_MODELS:  # a user's reward model by dotted path: nothing to train
+    elif rm not in ("none", "env") and rm not in REWARD_MODELS:  # a user's reward model by dotted path: nothing to train
         inputs = Inputs(policy["uri"], policy["model_id"], rm, None, rm)
     if cfg.score.tree is not None:  # as generate plans it: the previous PRM where value=prm and one exists
         search = cfg.score.tree.search or cfg.generate.mcts
@@ -133,13 +133,18 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         oracle = oracle_labels(domain, problems, [it for it in items if it["steps"]])
         labels += oracle  # for evaluation only: train_reward reads its label_source alone
         metrics["oracle_labelled_steps"] = len(oracle)
+    if sc.reward_model == "env":  # the environment's own turn rewards, stored with the turns: nothing to load
+        from components.envs.labels import env_score_rows
+
+        rows += env_score_rows(trajs, spec.rows("generate", "turns"))
+        log("score", f"the environment's turn rewards scored {len(trajs)} episodes")
     if inp.reward_model is not None:
         rows += reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
                               reference_uri=inp.reference_uri,
                               turns=spec.rows("generate", "turns") if is_agent(domain) else None)
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
     write(out, scores=rows, step_labels=labels, step_pairs=pairs, nodes=nodes)
-    return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None)
+    return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None or sc.reward_model == "env")
 
 
 def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: list[dict[str, Any]],

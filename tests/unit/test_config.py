@@ -213,6 +213,10 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | coevo | {"evaluate": {"best_of_n": [4]}}).evaluate.best_of_n == [4]
     implicit = {"score": {"reward_model": "implicit"}, "evaluate": {"best_of_n": [2]}}
     assert load_config_dict(base | implicit).score.reward_model == "implicit"  # the log-ratio over each turn's ids
+    assert load_config_dict(base | {"score": {"reward_model": "env"}}).score.reward_model == "env"
+    with pytest.raises(ConfigError, match="reward_model='env' reads the turn rewards an environment gives; "
+                                          "domain.name='arith' is a text domain"):
+        load_config_dict({"experiment": "x", "score": {"reward_model": "env"}})
     with pytest.raises(ConfigError, match="does not support score.reward_model=orm, train_reward.orm yet"):
         load_config_dict(base | coevo | {"score": {"reward_model": "orm", "mc_rollouts": 2},
                                          "train_reward": {"enabled": True, "orm": True}})

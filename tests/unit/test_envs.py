@@ -457,3 +457,46 @@ def test_sql_lookup_values_are_spelled_per_database_so_only_a_look_at_the_data_a
     assert sum(SPELLINGS[p.meta["spelling"]](n) != n for p in looked for n in names if n in p.prompt) > len(looked) / 2
     for p in SqlEnv().sample_problems(3, 6, seed=5):
         assert "spelling" not in p.meta and re.search(r"'([^']+)'", p.meta["gold"]).group(1) in names
+
+
+class WarmGuess(Guess):
+    """Guess, rewarding each turn itself (as skyrl-gym environments do): 0.5 for a guess within 2 of the answer."""
+
+    def step(self, action):
+        out = super().step(action)
+        return out if out["done"] else out | {"reward": 0.5 if abs(int(action) - self.answer) <= 2 else 0.0}
+
+
+def test_an_environments_own_turn_rewards_become_step_scores_and_each_turns_advantage():
+    """score.reward_model=env: the turn rewards the environment gave, stored on the turns that earned them, are the
+    episode's step scores (scorer `env`), which grpo's step credit takes as each turn's step reward."""
+    from components.envs.labels import env_score_rows
+    from components.envs.records import episode_rows
+    from components.rl.advantages import group_advantages, step_advantages
+    from components.stages.filter import step_rewards
+
+    env = SkyrlEnv(WarmGuess, [{"prompt": f"Guess my number ({i}).", "answer": 7} for i in range(30)], name="guess")
+    p = env.sample_problems(1, 1, seed=0)[0]
+    scripts = [["3", "9", "7"], ["1", "2", "3", "4"]]  # warm then right; cold throughout, cut at 4 turns
+    rows = {"trajectories": [], "turns": []}
+    for k, script in enumerate(scripts):
+        [rec] = EpisodeRunner(scripted({p.prompt: script}), toolcalls.parse, EpisodeLimits(max_turns=4)).run(
+            [(p, env.episode(p))])
+        got = episode_rows(rec, experiment="e", round=1, purpose="train", policy_model_id=None, sample_index=k,
+                           temperature=1.0, top_p=1.0, max_new_tokens=8, seed=k, verifier="v", verifier_version="1")
+        rows["trajectories"] += got["trajectories"]
+        rows["turns"] += got["turns"]
+    scores = env_score_rows(rows["trajectories"], rows["turns"])
+    right, wrong = (t["trajectory_id"] for t in rows["trajectories"])
+    steps = {r["trajectory_id"]: [] for r in scores}
+    for r in scores:
+        if r["aggregate"] == "step":
+            steps[r["trajectory_id"]].append(r["value"])
+    assert steps == {right: [0.0, 0.5, 1.0], wrong: [0.0, 0.0, 0.0, 0.0]} and {r["scorer"] for r in scores} == {"env"}
+    process, source = step_rewards(scores, [], {right: 3, wrong: 4})
+    assert source == "env step scores" and process == steps
+    advantages = group_advantages([{"trajectory_id": t, "group_id": "g", "outcome": o, "shaping": 0.0}
+                                   for t, o in ((right, 1.0), (wrong, 0.0))], scale="group", max_groups=None, seed=0)
+    turns = step_advantages(advantages, process, 0.5)
+    warm = [r["advantage"] for r in sorted(turns, key=lambda r: r["turn_index"]) if r["trajectory_id"] == right]
+    assert warm[0] != warm[2]  # each turn of the right episode gets its own advantage from its turn rewards
