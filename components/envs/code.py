@@ -16,7 +16,7 @@ when every test passes.
     >>> env = CodeEnv()
     >>> p = env.sample_problems(level=2, n=1, seed=0)[0]
     >>> print(p.prompt)
-    Write a Python function `f(xs)` that returns how many elements of the list xs are divisible by 15.
+    Write a Python function `f(xs)` that returns the list xs with every element multiplied by 7.
     >>> env.score(p, "```python\\n" + p.meta["solution"] + "\\n```"), env.score(p, "def f(xs):\\n    return 0")
     (1.0, 0.0)
 """
@@ -83,14 +83,37 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
         ("f(xs)", "returns how many elements of the list xs are divisible by {m}",
          "return sum(1 for x in xs if x % {m} == 0)", ["[]", "[1, 2, 3, 4, 6, 8]", "[0, 10, 15]"]),
         ("f(xs)", "returns the largest element of the list xs minus the smallest, or 0 for an empty list",
-         "return max(xs) - min(xs) if xs else 0", ["[]", "[3]", "[4, -1, 8]"])],
+         "return max(xs) - min(xs) if xs else 0", ["[]", "[3]", "[4, -1, 8]"]),
+        ("f(xs)", "returns the list xs with every element multiplied by {k}",
+         "return [x * {k} for x in xs]", ["[]", "[1, -2, 3]", "[0, 10]"]),
+        ("f(xs)", "returns how many elements of the list xs are at least {k} and at most {hi}",
+         "return sum(1 for x in xs if {k} <= x <= {hi})", ["[]", "[{k}, {hi}, 0]", "[1, 5, 9, 20, 33, 40]"]),
+        ("f(xs)", "returns the index of the first element of the list xs greater than {k}, or -1 when there is none",
+         "return next((i for i, x in enumerate(xs) if x > {k}), -1)", ["[]", "[1, 2, 10, 20]", "[{k}, 0]"]),
+        ("f(xs)", "returns the sum of the elements of the list xs at even positions (0, 2, 4, ...) minus {c}",
+         "return sum(xs[0::2]) - {c}", ["[]", "[5]", "[1, 2, 3, 4, 5]"])],
     3: [("f(s)", "returns the string s reversed, without its vowels (aeiou, either case)",
          "return ''.join(ch for ch in reversed(s) if ch.lower() not in 'aeiou')", ["''", "'hello'", "'Audio Lab'"]),
         ("f(s)", "returns how many words of the string s (split on spaces) are longer than {k} letters",
-         "return sum(1 for w in s.split() if len(w) > {k})", ["''", "'a bb ccc dddd'", "'the quick brown fox'"]),
+         "return sum(1 for w in s.split() if len(w) > {k})", ["''", "'a bb ccc dddd'", "'the quick brown fox'",
+                                                              "'internationalization is a long word'"]),
         ("f(s)", "returns s with every {k}th character (counting from 1) in upper case",
          "return ''.join(ch.upper() if (i + 1) % {k} == 0 else ch for i, ch in enumerate(s))",
-         ["''", "'abcdefgh'", "'hello world'"])],
+         ["''", "'abcdefgh'", "'hello world'"]),
+        ("f(s)", "returns s with each lower-case letter shifted {k} places forward in the alphabet (z wraps to a); "
+         "other characters stay as they are",
+         "return ''.join(chr((ord(ch) - 97 + {k}) % 26 + 97) if 'a' <= ch <= 'z' else ch for ch in s)",
+         ["''", "'abc xyz'", "'Hello, world!'"]),
+        ("f(s)", "returns the words of the string s (split on spaces) that have at least {k} letters, joined by "
+         "single spaces",
+         "return ' '.join(w for w in s.split() if len(w) >= {k})", ["''", "'a bb ccc dddd eeeee'",
+                                                                   "'extraordinary ideas need evidence'"]),
+        ("f(s)", "returns the string s repeated {k} times with a '-' between the copies",
+         "return '-'.join([s] * {k})", ["''", "'ab'", "'x y'"]),
+        ("f(s)", "returns s cut to its first {m} characters followed by '...' when it is longer than {m}, else s",
+         "return s if len(s) <= {m} else s[:{m}] + '...'", ["''", "'ab'", "'a considerably longer sentence'"]),
+        ("f(s)", "returns s padded on the left with '*' to {c} characters (a longer s stays as it is)",
+         "return s.rjust({c}, '*')", ["''", "'abc'", "'a sentence of forty-one characters, or so'"])],
     4: [("f(n)", "returns the list of the first n terms of the sequence a0 = {c}, a(i+1) = (a(i) * {k} + 1) % {m}",
          "out, a = [], {c}\n    for _ in range(n):\n        out.append(a)\n        a = (a * {k} + 1) % {m}\n    return out",
          ["0", "1", "6"]),
@@ -110,7 +133,20 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
          ["''", "'aaabcc'", "'abc'", "'zzzzzzzzzzzz'"]),
         ("f(xs)", "returns the {k} most frequent elements of the list xs, most frequent first, ties by smaller value",
          "from collections import Counter\n    c = Counter(xs)\n    return sorted(c, key=lambda x: (-c[x], x))[:{k}]",
-         ["[]", "[1, 1, 2, 2, 3]", "[5, 4, 4, 5, 5, 6]"])],
+         ["[]", "[1, 1, 2, 2, 3]", "[5, 4, 4, 5, 5, 6]"]),
+        ("f(n)", "returns term n of the sequence t(0) = {c}, t(1) = {k}, t(i) = t(i-1) + t(i-2)",
+         "a, b = {c}, {k}\n    for _ in range(n):\n        a, b = b, a + b\n    return a", ["0", "1", "2", "7"]),
+        ("f(xs)", "returns the {k}th smallest distinct element of the list xs, or None when it has fewer distinct "
+         "elements", "d = sorted(set(xs))\n    return d[{k} - 1] if len(d) >= {k} else None",
+         ["[]", "[9, 1, 8, 2, 7, 3, 6, 4, 5, 1]", "[4, 4, 4]"]),
+        ("f(xs)", "returns the length of the longest run of consecutive elements of the list xs that are each greater "
+         "than the one before, counting the run's first element",
+         "best = run = 0\n    for i, x in enumerate(xs):\n        run = run + 1 if i and x > xs[i - 1] else 1\n"
+         "        best = max(best, run)\n    return best", ["[]", "[1, 2, 3, 1, 2]", "[5, 4, 3]", "[1, 3, 5, 7]"]),
+        ("f(n)", "returns how many of the numbers 2 to n (inclusive) are prime and leave remainder 1 when divided "
+         "by {k}",
+         "return sum(1 for p in range(2, n + 1) if all(p % d for d in range(2, int(p ** 0.5) + 1)) and p % {k} == 1)",
+         ["1", "10", "50", "97"])],
 }
 
 
@@ -162,6 +198,7 @@ class CodeEnv(FileProblems):
     def _draw(self, rng: random.Random, level: int) -> Problem:
         sig, text, body, inputs = rng.choice(TASKS[level])
         params = {"k": rng.randint(2, 9), "c": rng.randint(1, 40), "m": rng.randint(3, 15)}
+        params["hi"] = params["k"] + params["c"]  # an upper bound above k
         solution = f"def {sig}:\n    {body.format(**params)}"
         ns: dict[str, Any] = {}
         exec(solution, ns)  # our own reference, never the model's: its outputs are the tests' expectations

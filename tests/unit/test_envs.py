@@ -500,3 +500,15 @@ def test_an_environments_own_turn_rewards_become_step_scores_and_each_turns_adva
     turns = step_advantages(advantages, process, 0.5)
     warm = [r["advantage"] for r in sorted(turns, key=lambda r: r["turn_index"]) if r["trajectory_id"] == right]
     assert warm[0] != warm[2]  # each turn of the right episode gets its own advantage from its turn rewards
+
+
+def test_generated_code_tasks_are_many_per_level_and_their_tests_tell_answers_apart():
+    """Every level has dozens of distinct tasks beside its held-out set, and no task's tests all expect one value
+    (a function returning a constant would pass them)."""
+    env = CodeEnv(isolation="none")  # nothing runs: the tests' expectations come from our own reference solutions
+    for level in env.levels():
+        drawn = env.sample_problems(level, 300, seed=0)
+        assert len({p.problem_id for p in drawn}) >= 60, level
+        for p in drawn + env.test_set(level):
+            expected = {t.split(" == ", 1)[1] for t in p.meta["tests"]}
+            assert len(expected) >= 2, p.prompt
