@@ -32,6 +32,22 @@ class TemplateError(ValueError):
     """A chat template that is not append-only: rendering a longer conversation changes the text of a shorter one."""
 
 
+def assistant_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) runs of 1 in an assistant mask: one per assistant turn, in order.
+
+    >>> assistant_spans([0, 0, 1, 1, 0, 1, 0, 0, 1])
+    [(2, 4), (5, 6), (8, 9)]
+    """
+    runs, start = [], None
+    for t, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs
+
+
 class ChatEncoder:
     """Conversations as (token ids, assistant mask) with the model's chat template, append-only."""
 

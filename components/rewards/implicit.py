@@ -78,7 +78,7 @@ def implicit_turn_rewards(policy_path: str, reference_path: str, chats: list[lis
                           beta: float = 0.05, batch_size: int = 32, device_name: str | None = None) -> list[list[float]]:
     """Per episode, one reward per assistant turn: beta * sum of log pi - log pi_ref over the ids that turn
     sampled, in the conversation as it was sampled."""
-    from components.envs.agent import ChatEncoder
+    from components.envs.agent import ChatEncoder, assistant_spans
 
     dev = device_name or device()
     policy, reference, tok = _load_pair(policy_path, reference_path, dev, "implicit_turn_rewards")
@@ -86,13 +86,7 @@ def implicit_turn_rewards(policy_path: str, reference_path: str, chats: list[lis
     encoded = [enc.encode(chat, add_generation_prompt=False) for chat in chats]
     spans: list[list[tuple[int, int]]] = []
     for k, (chat, (_, mask)) in enumerate(zip(chats, encoded, strict=True)):
-        runs, start = [], None
-        for t, m in enumerate([*mask, 0]):
-            if m and start is None:
-                start = t
-            elif not m and start is not None:
-                runs.append((start, t))
-                start = None
+        runs = assistant_spans(mask)
         turns = sum(m["role"] == "assistant" for m in chat)
         if len(runs) != turns:
             raise ValueError(f"implicit_turn_rewards: episode {k} has {turns} assistant turns but {len(runs)} "

@@ -4,12 +4,10 @@ the assistant's tokens and nothing else."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from components.envs import get_env, toolcalls
-from components.envs.agent import ChatEncoder, ChatSampler, TemplateError
+from components.envs.agent import ChatEncoder, ChatSampler, TemplateError, assistant_spans
 from components.envs.base import EpisodeLimits, EpisodeRunner, StepResult
 from components.models.backends import HFBackend
 from components.models.standin import SIZES, build_standin, domain_texts
@@ -68,13 +66,7 @@ def test_the_ids_trained_on_are_the_ids_sampled_and_only_they_carry_loss(standin
         assert len(prompts) == 3, "a turn's prompt is not a prefix of the final conversation's ids"
         sampled = [list(t.token_ids) for t in rec.turns if t.role == "assistant"]
         # Masked-in tokens are exactly the sampled ones, turn by turn, where the model sampled them.
-        spans, start = [], None
-        for i, m in enumerate([*mask, 0]):
-            if m and start is None:
-                start = i
-            elif not m and start is not None:
-                spans.append((start, i))
-                start = None
+        spans = assistant_spans(mask)
         assert [ids[a:b] for a, b in spans] == sampled
         assert [a for a, _ in spans] == [len(p) for p in sorted(prompts, key=len)]  # each begins where its prompt ended
         # Everything else is the template's and the environment's: the system and user turns, headers, observations.
@@ -152,6 +144,7 @@ def test_dpo_on_episodes_sums_each_sides_log_probabilities_over_its_sampled_turn
     completion mask that the log-probabilities sum over is 1 on the assistant's sampled ids and 0 on the prompt,
     the headers and the tool's observations. Then train_dpo trains on such pairs and ranks chosen first."""
     import datasets
+    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     from components.training.dpo import (AssistantMaskCollator, DPOParams, _dpo_config, _episode_trainer,
@@ -167,8 +160,10 @@ def test_dpo_on_episodes_sums_each_sides_log_probabilities_over_its_sampled_turn
     assert all(p["chosen"] != p["rejected"] for p in pairs)
     params = DPOParams(max_steps=1, batch_size=3, prompt_format="chat", max_length=512)
     rows = episode_pair_rows(tok, "standin", pairs, params)
-    trainer = _episode_trainer(DPOTrainer)(model=standin.model, args=_dpo_config(DPOConfig, str(tmp_path), params,
-                                                                                   True, fp16=False),
+    # A model of its own: TRL patches the forward of the model it is given, and the fixture's is shared.
+    model = AutoModelForCausalLM.from_pretrained(standin.model.name_or_path)
+    trainer = _episode_trainer(DPOTrainer)(model=model, args=_dpo_config(DPOConfig, str(tmp_path), params, True,
+                                                                         fp16=False),
                                            train_dataset=datasets.Dataset.from_list(rows), processing_class=tok)
     collate = AssistantMaskCollator(trainer.data_collator)
     batch = collate([trainer.train_dataset[i] for i in range(len(pairs))])
@@ -208,8 +203,11 @@ def test_the_implicit_prm_rewards_each_turn_by_the_log_ratio_over_the_ids_it_sam
     problems = get_env("calculator").sample_problems(2, 3, seed=6)
     chats = [r.messages for r in EpisodeRunner(sampler, toolcalls.parse, EpisodeLimits(max_turns=3)).run(
         [(p, Echo(p.prompt)) for p in problems])]
-    policy = tmp_path / "policy"
-    moved = copy.deepcopy(standin.model)
+    from transformers import AutoModelForCausalLM
+
+    # Models of their own, loaded from the files: a trainer built on the fixture's model patches its forward.
+    policy, reference = tmp_path / "policy", AutoModelForCausalLM.from_pretrained(standin.model.name_or_path).eval()
+    moved = AutoModelForCausalLM.from_pretrained(standin.model.name_or_path)
     with torch.no_grad():
         for w in moved.parameters():
             w.add_(0.05 * torch.randn(w.shape, generator=torch.Generator().manual_seed(0)))
@@ -220,16 +218,9 @@ def test_the_implicit_prm_rewards_each_turn_by_the_log_ratio_over_the_ids_it_sam
         x = torch.tensor([ids])
         with torch.no_grad():
             logp = [m(input_ids=x).logits[0, :-1].float().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
-                    for m in (moved.eval(), standin.model)]
+                    for m in (moved.eval(), reference)]
         per_token = 0.5 * (logp[0] - logp[1])  # token t at index t - 1
-        turns, t = [], 0
-        while t < len(ids):
-            if mask[t]:
-                start = t
-                while t < len(ids) and mask[t]:
-                    t += 1
-                turns.append(float(per_token[start - 1:t - 1].sum()))
-            t += 1
+        turns = [float(per_token[a - 1:b - 1].sum()) for a, b in assistant_spans(mask)]
         assert len(got) == len(turns) == 3
         assert got == pytest.approx(turns, abs=1e-4) and any(abs(v) > 1e-3 for v in got)
     same = implicit_turn_rewards(standin.model.name_or_path, standin.model.name_or_path, chats[:1], device_name="cpu")
