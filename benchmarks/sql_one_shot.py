@@ -60,7 +60,7 @@ def main() -> None:
         for arm, (boot, exp, extra) in ARMS.items():
             boot, exp = boot.format(seed=seed), exp.format(seed=seed)
             if args.lookup:
-                boot, exp = boot.replace("bench-sql-", "bench-sql-lookup-"), exp.replace("bench-sql-", "bench-sql-lookup-")
+                boot, exp = (x.replace("bench-sql-", "bench-sql-lookup-") for x in (boot, exp))
                 extra = [*extra, "domain.options.lookup_values=true"]
             print(f"[bench] seed {seed}: {arm}", flush=True)
             _run(CONFIG, [*base, f"experiment={boot}", "rounds=0", f"policy.model={model}", *extra],

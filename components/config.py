@@ -790,8 +790,7 @@ class ExperimentConfig(_Section):
         rm = self.score.reward_model
         unsupported = {"score.mc_strategy=first_error": self.score.mc_rollouts != 0
                        and self.score.mc_strategy == "first_error",
-                       f"score.reward_model={rm}": rm not in ("none", "prm", "implicit", "env"),
-                       "train_reward.orm": self.train_reward.enabled and self.train_reward.orm,
+                       f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
                        "generate.search": self.generate.search is not None,
                        "generate.mcts": self.generate.mcts is not None,
                        "score.tree": self.score.tree is not None,
@@ -800,10 +799,9 @@ class ExperimentConfig(_Section):
                        "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
-            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (the ORM and search "
-                             "are still to come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy "
-                             "every_prefix), the PRM, the implicit PRM, best-of-N, DPO on episodes and grpo's step "
-                             "credit work")
+            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (search is still to "
+                             "come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy every_prefix), the PRM, "
+                             "the implicit PRM, the ORM, best-of-N, DPO on episodes and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

@@ -105,4 +105,3 @@ def env_score_rows(trajectories: list[dict[str, Any]], turns: list[dict[str, Any
     given = env_turn_rewards(turns)
     tids = [t["trajectory_id"] for t in trajectories]
     return step_score_rows(tids, [given.get(t, []) for t in tids], "env", None)
-

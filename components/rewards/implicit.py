@@ -74,8 +74,8 @@ def _log_ratios(policy: Any, reference: Any, ids: list[list[int]], pad_id: int, 
     return out
 
 
-def implicit_turn_rewards(policy_path: str, reference_path: str, chats: list[list[dict[str, Any]]],
-                          beta: float = 0.05, batch_size: int = 32, device_name: str | None = None) -> list[list[float]]:
+def implicit_turn_rewards(policy_path: str, reference_path: str, chats: list[list[dict[str, Any]]], beta: float = 0.05,
+                          batch_size: int = 32, device_name: str | None = None) -> list[list[float]]:
     """Per episode, one reward per assistant turn: beta * sum of log pi - log pi_ref over the ids that turn
     sampled, in the conversation as it was sampled."""
     from components.envs.agent import ChatEncoder, assistant_spans

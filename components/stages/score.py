@@ -43,7 +43,7 @@ def plan(p: Planner) -> Inputs:
         trained = p.optional_model(p.round - 1, rm)
         if trained:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
             inputs = Inputs(policy["uri"], policy["model_id"], rm, trained["uri"], trained["model_id"])
-    elif rm not in ("none", "env") and rm not in REWARD_MODELS:  # a user's reward model by dotted path: nothing to train
+    elif rm not in ("none", "env") and rm not in REWARD_MODELS:  # a user's, by dotted path: nothing to train
         inputs = Inputs(policy["uri"], policy["model_id"], rm, None, rm)
     if cfg.score.tree is not None:  # as generate plans it: the previous PRM where value=prm and one exists
         search = cfg.score.tree.search or cfg.generate.mcts

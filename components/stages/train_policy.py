@@ -240,6 +240,8 @@ def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir,
 def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """This round's DPO pairs ({"prompt", "chosen", "rejected"}; for an environment, the two episodes' chats),
     trajectory-level then step-level, and their `model_inputs` rows (a trajectory once, at its first use)."""
+    from components.envs.rollout import conversations, is_agent
+
     trajs = {t["trajectory_id"]: t for t in spec.rows("generate", "trajectories")}
     sides: dict[str, dict[str, str]] = {}
     step_ids: list[str] = []
@@ -248,8 +250,6 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, A
             sides.setdefault(s["pair_id"], {})[s["purpose"]] = s["trajectory_id"]
         elif s["selected"] and s["purpose"] == "step_dpo":
             step_ids.append(s["trajectory_id"])
-    from components.envs.rollout import conversations, is_agent
-
     pairs, uses = [], []
     chats = conversations(spec.rows("generate", "turns")) if sides and is_agent(domain_of(spec)) else None
     for pid in sorted(sides):

@@ -18,6 +18,7 @@ Agent episodes pair as {"chosen": messages, "rejected": messages}: two conversat
 assistant turn with its sampled `token_ids`. Each side is tokenized append-only, as SFT tokenizes an episode
 (`ChatEncoder`), the shared opening is the prompt, and the preference's log-probabilities sum over the
 assistant's tokens alone: observations, tool results and the template's headers are masked out of both sides.
+
 The saved model is weights (safetensors), config, generation config and tokenizer; no pickles. On CPU
 two runs with the same seed and data give a byte-identical model.safetensors.
 """
@@ -210,7 +211,8 @@ def _dpo_config(DPOConfig, output_dir: str, params: DPOParams, use_cpu: bool, fp
     )
 
 
-def episode_pair_rows(tok: Any, model_path: str, pairs: list[dict[str, Any]], params: DPOParams) -> list[dict[str, Any]]:
+def episode_pair_rows(tok: Any, model_path: str, pairs: list[dict[str, Any]],
+                      params: DPOParams) -> list[dict[str, Any]]:
     """Episode pairs as TRL's pre-tokenized preference rows: `prompt_ids` (the opening both conversations share,
     up to the first token the assistant wrote), `chosen_ids` / `rejected_ids` (the rest of each, append-only as
     the agent loop sampled it) and `chosen_mask` / `rejected_mask` (1 on the assistant's tokens)."""

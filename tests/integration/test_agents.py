@@ -62,7 +62,8 @@ def agent_grpo(agent_run):
                  "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1",
                  "score.mc_rollouts=2", "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5",
                  "train_reward.enabled=true", "train_reward.steps=20", "train_reward.demos=true",
-                 "score.reward_model=prm", "evaluate.best_of_n=[2]"]
+                 "score.reward_model=prm", "evaluate.best_of_n=[2]", "train_reward.orm=true",
+                 "train_reward.orm_steps=10"]
     self_evolution(config_path=str(config), overrides=overrides)
     grpo = load_config(config, overrides)
     return grpo, Store.for_config(grpo)
@@ -128,27 +129,37 @@ def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(age
     assert tokens == assistant_tokens
 
 
-def test_the_prm_picks_the_best_of_n_held_out_episodes_by_their_weakest_turn(agent_grpo):
-    """prm_bon_at_2, recomputed in SQL: per held-out problem, of its two sampled episodes (sample 0 is greedy), the
-    one whose weakest turn the round's PRM scores highest (ties: the earlier); the share of those that are right."""
+@pytest.mark.parametrize("scorer, aggregate", [("prm", "min"), ("orm", "outcome")])
+def test_a_reward_model_picks_the_best_of_n_held_out_episodes(agent_grpo, scorer, aggregate):
+    """prm_bon_at_2 and orm_bon_at_2, recomputed in SQL: per held-out problem, of its two sampled episodes (sample 0
+    is greedy), the one the round's reward model scores highest (the PRM: by its weakest turn, every turn scored;
+    the ORM: the whole transcript; ties: the earlier); the share of those that are right."""
     cfg, store = agent_grpo
     _, rows = store.query(
         "WITH s AS (SELECT t.round, t.problem_id, t.sample_index, v.correct, m.value, "
         "           (SELECT count(*) FROM turns u WHERE u.trajectory_id = t.trajectory_id AND u.role = 'assistant') "
         "           AS turns, (SELECT count(*) FROM scores x WHERE x.trajectory_id = t.trajectory_id "
-        "           AND x.scorer = 'prm' AND x.aggregate = 'step') AS scored "
+        "           AND x.scorer = $scorer AND x.aggregate = 'step') AS scored "
         "           FROM trajectories t JOIN verifications v USING (trajectory_id) "
-        "           JOIN scores m ON m.trajectory_id = t.trajectory_id AND m.scorer = 'prm' AND m.aggregate = 'min' "
-        "           JOIN models p ON p.model_id = m.model_id AND p.role = 'prm' AND p.round = t.round "
-        "           WHERE t.experiment_id = ? AND t.purpose = 'eval' AND t.sample_index BETWEEN 1 AND 2), "
+        "           JOIN scores m ON m.trajectory_id = t.trajectory_id AND m.scorer = $scorer "
+        "           AND m.aggregate = $aggregate "
+        "           JOIN models p ON p.model_id = m.model_id AND p.role = $scorer AND p.round = t.round "
+        "           WHERE t.experiment_id = $exp AND t.purpose = 'eval' AND t.sample_index BETWEEN 1 AND 2), "
         "     pick AS (SELECT round, problem_id, arg_max(correct::INT, [value, -sample_index]) AS ok, "
         "              bool_and(turns = scored) AS every_turn, count(*) AS n FROM s GROUP BY ALL) "
         "SELECT p.round, avg(p.ok), bool_and(p.every_turn), min(p.n), max(e.value) FROM pick p "
-        "JOIN evaluations e ON e.experiment_id = ? AND e.round = p.round AND e.metric = 'prm_bon_at_2' "
-        " AND e.level = -1 GROUP BY p.round ORDER BY p.round", [cfg.experiment] * 2)
+        "JOIN evaluations e ON e.experiment_id = $exp AND e.round = p.round AND e.metric = $scorer || '_bon_at_2' "
+        " AND e.level = -1 GROUP BY p.round ORDER BY p.round",
+        {"exp": cfg.experiment, "scorer": scorer, "aggregate": aggregate})
     assert [r[0] for r in rows] == [1, 2], rows
     for _, recomputed, every_turn, n, logged in rows:
-        assert every_turn and n == 2 and abs(recomputed - logged) < 1e-9, rows
+        assert (every_turn or scorer == "orm") and n == 2 and abs(recomputed - logged) < 1e-9, rows
+    if scorer == "orm":  # trained on the round's episodes, right and wrong, as their transcripts
+        _, [(inputs, episodes)] = store.query(
+            "SELECT count(*), count(*) FILTER (WHERE EXISTS (SELECT 1 FROM turns u WHERE u.trajectory_id = "
+            "i.trajectory_id)) FROM model_inputs i JOIN models m USING (model_id) WHERE m.experiment_id = ? "
+            "AND m.role = 'orm' AND m.round = 1", [cfg.experiment])
+        assert inputs == episodes > 0
 
 
 def test_the_implicit_prm_scores_each_held_out_episode_turn_by_turn(agent_run):

@@ -217,10 +217,11 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     with pytest.raises(ConfigError, match="reward_model='env' reads the turn rewards an environment gives; "
                                           "domain.name='arith' is a text domain"):
         load_config_dict({"experiment": "x", "score": {"reward_model": "env"}})
-    with pytest.raises(ConfigError, match="does not support score.reward_model=orm, train_reward.orm yet"):
-        load_config_dict(base | coevo | {"score": {"reward_model": "orm", "mc_rollouts": 2},
-                                         "train_reward": {"enabled": True, "orm": True}})
-    with pytest.raises(ConfigError, match="does not support train_reward.orm, filter.check_steps yet"):
+    orm = {"score": {"reward_model": "orm", "mc_rollouts": 2}, "train_reward": {"enabled": True, "orm": True}}
+    assert load_config_dict(base | coevo | orm).train_reward.orm  # the ORM reads an episode's transcript
+    with pytest.raises(ConfigError, match="does not support generate.search yet"):
+        load_config_dict(base | {"generate": {"search": {}}})
+    with pytest.raises(ConfigError, match="does not support filter.check_steps yet"):
         load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
                                          "filter": {"check_steps": True}})
     # Monte Carlo turn labels, and grpo's step credit on them, are the agent loop's; the binary search is not yet.
