@@ -49,7 +49,8 @@ def agent_run(prefect_server, tmp_path_factory):
 def agent_grpo(agent_run):
     """recipe grpo on the same environment, from agent_run's round-0 policy: two rounds of groups of episodes, with
     turn credit from Monte Carlo turn labels (round 1) and from the PRM that round 1 trained on them (round 2);
-    each round's evaluation ranks two sampled episodes per held-out problem by that round's PRM (best-of-2)."""
+    each round also trains an ORM, and its evaluation ranks two sampled episodes per held-out problem by that
+    round's PRM and by its ORM (best-of-2)."""
     from flows.evolution import self_evolution
 
     cfg, store = agent_run
