@@ -250,7 +250,8 @@ def reward_scores(spec: StageSpec, name: str, uri: str | None, model_id: str | N
     from components.rewards import score_rows
 
     rm = reward_model_of(spec, name, uri, reference_uri=reference_uri)
-    return score_rows(rm, model_id, trajs, steps, conversations(turns) if turns is not None else None)
+    episodes = conversations(turns) if turns is not None and hasattr(rm, "score_episodes") else None
+    return score_rows(rm, model_id, trajs, steps, episodes)
 
 
 def reward_model_of(spec: StageSpec, name: str, uri: str | None, reference_uri: str | None = None,

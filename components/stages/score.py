@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from components.envs.rollout import is_agent
+from components.envs.rollout import episode_steps, is_agent
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
@@ -62,7 +62,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     sc = cfg.score
     trajs = spec.rows("generate", "trajectories")
     vers = spec.rows("verify", "verifications")
-    steps = reward_steps(spec, "generate")
+    # An environment's turns, read once: its steps, its Monte Carlo labels and its reward models all need them.
+    turns = spec.rows("generate", "turns") if is_agent(domain) else None
+    steps = episode_steps(turns) if turns is not None else reward_steps(spec, "generate")
     problems = problems_by_id(spec.rows("generate", "problems"))
     # Which trajectories get Monte Carlo labels is planned over the whole round, with the stage's seed (a
     # shard's own seed drives only its rollouts), so the shards share one plan and one budget.
@@ -97,8 +99,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         backend = backend_of(spec, inp.policy_uri)
         kw = dict(k=sc.mc_rollouts, temperature=sc.mc_temperature,
                   max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
-        if is_agent(domain):
-            mc, stats = _turn_labels(spec, domain, backend, inp, todo, correct)
+        if turns is not None:
+            mc, stats = _turn_labels(spec, domain, backend, inp, todo, correct, turns)
         elif sc.mc_strategy == "first_error":
             mc, stats, pairs = mc_first_error_labels(domain, backend, todo, **kw)
             stats["step_pairs"] = len(pairs)
@@ -136,19 +138,19 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if sc.reward_model == "env":  # the environment's own turn rewards, stored with the turns: nothing to load
         from components.envs.labels import env_score_rows
 
-        rows += env_score_rows(trajs, spec.rows("generate", "turns"))
+        rows += env_score_rows(trajs, turns)
         log("score", f"the environment's turn rewards scored {len(trajs)} episodes")
     if inp.reward_model is not None:
         rows += reward_scores(spec, inp.reward_model, inp.reward_model_uri, inp.reward_model_id, trajs, steps,
-                              reference_uri=inp.reference_uri,
-                              turns=spec.rows("generate", "turns") if is_agent(domain) else None)
+                              reference_uri=inp.reference_uri, turns=turns)
         log("score", f"{inp.reward_model} {inp.reward_model_id} scored {len(trajs)} trajectories")
     write(out, scores=rows, step_labels=labels, step_pairs=pairs, nodes=nodes)
     return metrics | mean_scores(rows, len(trajs), inp.reward_model is not None or sc.reward_model == "env")
 
 
 def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: list[dict[str, Any]],
-                 correct: dict[str, bool | None]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 correct: dict[str, bool | None], turns: list[dict[str, Any]]
+                 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """An environment's Monte Carlo labels: each assistant turn valued by going on from it, with its observations,
     k times (`components.envs.labels`)."""
     from components.envs.labels import mc_turn_labels
@@ -156,7 +158,7 @@ def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: li
 
     cfg = spec.cfg()
     sc = cfg.score
-    chats = conversations(spec.rows("generate", "turns"))
+    chats = conversations(turns)
     missing = [it["trajectory_id"] for it in items if it["trajectory_id"] not in chats]
     if missing:
         raise RuntimeError(f"{spec.stage_run_id}: {len(missing)} episodes to label have no stored turns "
