@@ -89,6 +89,7 @@ def test_chat_model_generates_through_the_backend_and_stops_at_the_turn_end(chat
     tok = backend.tok
     assert sample.num_tokens == len(tok(EX["completion"])["input_ids"]) + 1  # the completion, then <|im_end|>
     ids = tok(render_prompt(tok, EX["prompt"], CHAT) + EX["completion"], return_tensors="pt")["input_ids"]
+    ids = ids.to(backend.model.device)  # the backend's device: the GPU where one exists
     with torch.no_grad():
         nxt = int(backend.model(ids).logits[0, -1].argmax())
     assert tok.convert_ids_to_tokens(nxt) == IM_END  # what training taught it to end with
