@@ -85,7 +85,7 @@ def round_jobs(exp: str, rnd: int, n: int) -> dict[str, tuple[list[tuple[str, st
                              f"CASE WHEN {ok} THEN ({p} * 7 + 3)::VARCHAR ELSE '0' END AS answer, "
                              f"(100 + hash('{exp}', {rnd}, t, {SEED}, 3) % 400)::INTEGER AS num_tokens, 'stop' AS finish_reason, "
                              "0.8::DOUBLE AS temperature, 1.0::DOUBLE AS top_p, 512::INTEGER AS max_new_tokens, "
-                             f"({SEED} + t)::BIGINT AS seed FROM {T}"),
+                             f"({SEED} + t)::BIGINT AS seed, NULL::INTEGER[] AS token_ids FROM {T}"),
             ("steps", f"SELECT {tid} AS trajectory_id, step_index, "
                       f"'Step ' || step_index || ': x = ' || hash(s, {SEED}) % 1000 AS text FROM {S}"),
         ], {"search_discarded_tokens": 0.0}),

@@ -246,6 +246,43 @@ def _calibration_rows(con) -> None:
 
 
 
+def test_round_summary_pass_rate_counts_the_train_trajectories_of_every_stage_that_verified_them(tmp_path):
+    """`v_round_summary` counts `verify`'s verifications by stage run and joins only the other stages' to their
+    trajectories: the rate must be the one every verification of a train trajectory gives, whichever stage wrote
+    it (here verify, an import of train and eval trajectories, and evaluate)."""
+    store = Store(tmp_path / "s")
+    store.init()
+    runs = {"e/r1/generate/a1": "generate", "e/r1/verify/a1": "verify", "e/r1/import/a1": "import",
+            "e/r1/evaluate/a1": "evaluate", "e/r2/verify/a1": "verify", "e/r2/evaluate/a1": "evaluate"}
+    trajectories = [  # (id, round, purpose, the stage run that wrote it, its verification's stage run, correct)
+        *[(f"g{i}", 1, "train", "e/r1/generate/a1", "e/r1/verify/a1", i % 3 == 0) for i in range(6)],
+        ("g6", 1, "train", "e/r1/generate/a1", "e/r1/verify/a1", None),  # a verifier that did not apply: wrong
+        *[(f"i{i}", 1, "train", "e/r1/import/a1", "e/r1/import/a1", True) for i in range(3)],
+        *[(f"j{i}", 1, "eval", "e/r1/import/a1", "e/r1/import/a1", False) for i in range(4)],
+        *[(f"v{i}", 1, "eval", "e/r1/evaluate/a1", "e/r1/evaluate/a1", True) for i in range(5)],
+        *[(f"h{i}", 2, "train", "e/r2/generate/a1", "e/r2/verify/a1", i < 3) for i in range(4)],
+        *[(f"w{i}", 2, "eval", "e/r2/evaluate/a1", "e/r2/evaluate/a1", False) for i in range(2)],
+    ]
+    with store.writer() as con:
+        for run, stage in runs.items():
+            con.execute("INSERT INTO stage_runs (stage_run_id, experiment_id, round, stage, attempt, status) "
+                        "VALUES (?, 'e', ?, ?, 1, 'committed')", [run, int(run[3]), stage])
+        for tid, rnd, purpose, wrote, verified, correct in trajectories:
+            con.execute("INSERT INTO trajectories (trajectory_id, experiment_id, round, purpose, problem_id, level, "
+                        "sample_index, prompt, completion, num_tokens, stage_run_id) "
+                        "VALUES (?, 'e', ?, ?, 'p', 1, 0, 'q', 'a', 3, ?)", [tid, rnd, purpose, wrote])
+            con.execute("INSERT INTO verifications VALUES (?, 'oracle', '1', ?, 0.0, NULL, ?)", [tid, correct, verified])
+        for rnd in (1, 2):
+            con.execute("INSERT INTO evaluations VALUES ('e', ?, 'm', -1, 'greedy_acc', 0.5, 10, ?)",
+                        [rnd, f"e/r{rnd}/evaluate/a1"])
+    rates = dict(store.query("SELECT round, train_pass_rate FROM v_round_summary ORDER BY round")[1])
+    reference = dict(store.query(
+        "SELECT t.round, avg(CASE WHEN v.correct THEN 1.0 ELSE 0.0 END) FROM trajectories t "
+        "JOIN verifications v USING (trajectory_id) WHERE t.purpose = 'train' GROUP BY ALL")[1])
+    assert reference == pytest.approx({1: 5 / 10, 2: 3 / 4})  # r1: 2 of verify's 7 right, 3 of 3 imported
+    assert rates == pytest.approx(reference, abs=1e-12)
+
+
 def _legacy_store(workdir: Path) -> Path:
     """A single-file store as coevo wrote them before the DuckLake: tables in `coevo.duckdb`, round 0's
     training still recorded as `train_policy` (older still), and a few rows."""
