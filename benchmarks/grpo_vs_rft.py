@@ -5,7 +5,8 @@
 Per seed, `rft` runs configs/micro.yaml (its bootstrap, then `--rounds` rounds); every other arm starts from that
 run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start from the same model:
 - `grpo`: configs/micro-grpo.yaml as shipped (DAPO loss, 32 problems per level x 8 rollouts, lr 2e-5, 2 passes);
-- `grpo-lr1e-4`: the same at learning rate 1e-4.
+- `grpo-lr1e-4`: the same at learning rate 1e-4;
+- `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at rft's learning rate, then with 64 problems a level.
 
 Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
@@ -28,6 +29,11 @@ ARMS = {
     "rft": ("configs/micro.yaml", []),
     "grpo": ("configs/micro-grpo.yaml", []),
     "grpo-lr1e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=1e-4"]),
+    # rft's SFT takes 150 steps at 5e-4 a round; grpo as shipped about 20 at 2e-5. These give grpo rft's step size,
+    # then also twice the problems a level (still about 0.7x rft's sampled tokens a round).
+    "grpo-lr5e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4"]),
+    "grpo-lr5e-4-wide": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4",
+                                                      "generate.problems_per_level=64"]),
 }
 HARDEST = 3
 
@@ -60,6 +66,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=["rft", "grpo", "grpo-lr1e-4"],
+                    help="rft always runs first: every other arm starts from its round-0 policy")
     args = ap.parse_args()
     from components.store import Store
 
@@ -67,7 +75,8 @@ def main() -> None:
     report = {}
     for seed in args.seeds:
         base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}"]
-        for arm, (config, extra) in ARMS.items():
+        for arm in ["rft", *[a for a in args.arms if a != "rft"]]:
+            config, extra = ARMS[arm]
             exp = f"bench-{arm}-s{seed}"
             start = []
             if arm != "rft":
