@@ -245,7 +245,6 @@ def _calibration_rows(con) -> None:
                 "('t', 1, 'mc_soft', 0.25, 4, 'x'), ('t', 1, 'mc_hard', 1, 4, 'x')")
 
 
-
 def test_round_summary_pass_rate_counts_the_train_trajectories_of_every_stage_that_verified_them(tmp_path):
     """`v_round_summary` counts `verify`'s verifications by stage run and joins only the other stages' to their
     trajectories: the rate must be the one every verification of a train trajectory gives, whichever stage wrote
