@@ -788,8 +788,7 @@ class ExperimentConfig(_Section):
                              "policy.model to a model with a chat template (`coevo build-model --domain "
                              f"{self.domain.name}` makes a stand-in)")
         rm = self.score.reward_model
-        unsupported = {"score.mc_strategy=first_error": self.score.mc_rollouts != 0
-                       and self.score.mc_strategy == "first_error",
+        unsupported = {"filter.step_dpo_pairs": self.filter.step_dpo_pairs,
                        f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
                        "generate.search": self.generate.search is not None,
                        "generate.mcts": self.generate.mcts is not None,
@@ -800,7 +799,7 @@ class ExperimentConfig(_Section):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (search is still to "
-                             "come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy every_prefix), the PRM, "
+                             "come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy every_prefix or first_error), the PRM, "
                              "the implicit PRM, the ORM, best-of-N, DPO on episodes and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:

@@ -152,8 +152,9 @@ def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: li
                  correct: dict[str, bool | None], turns: list[dict[str, Any]]
                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """An environment's Monte Carlo labels: each assistant turn valued by going on from it, with its observations,
-    k times (`components.envs.labels`)."""
-    from components.envs.labels import mc_turn_labels
+    k times, at every turn or (`mc_strategy: first_error`) at the turns a bisection of the wrong episodes visits
+    (`components.envs.labels`)."""
+    from components.envs.labels import mc_first_error_turn_labels, mc_turn_labels
     from components.envs.rollout import conversations
 
     cfg = spec.cfg()
@@ -164,10 +165,11 @@ def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: li
         raise RuntimeError(f"{spec.stage_run_id}: {len(missing)} episodes to label have no stored turns "
                            f"(first: {missing[0]})")
     todo = [{"trajectory_id": it["trajectory_id"], "problem": it["problem"], "messages": chats[it["trajectory_id"]],
-             "correct": correct.get(it["trajectory_id"])} for it in items]
+             "correct": correct.get(it["trajectory_id"]), "root_alive": it.get("root_alive", True)} for it in items]
     sampler = agent_sampler(backend, inp.policy_uri, temperature=sc.mc_temperature, top_p=1.0,
                             max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens, seed=spec.seed)
-    return mc_turn_labels(env, sampler, todo, k=sc.mc_rollouts)
+    labels = mc_first_error_turn_labels if sc.mc_strategy == "first_error" else mc_turn_labels
+    return labels(env, sampler, todo, k=sc.mc_rollouts)
 
 
 def _grow_trees(spec: StageSpec, inp: Inputs, trajs: list[dict[str, Any]], steps: dict[str, list[str]],

@@ -37,7 +37,8 @@ def agent_run(prefect_server, tmp_path_factory):
                  "train_policy.steps=5", "evaluate.problems_per_level=6", "evaluate.maj_k=2",
                  "filter.dpo_pairs=true", "train_policy.method=sft+dpo", "train_policy.dpo.steps=3",
                  "train_policy.dpo.batch_size=4", "train_policy.dpo.max_length=512",
-                 "score.reward_model=implicit", "evaluate.best_of_n=[2]"]
+                 "score.reward_model=implicit", "evaluate.best_of_n=[2]",
+                 "score.mc_rollouts=2", "score.mc_strategy=first_error"]
     before = os.environ.get("MLFLOW_TRACKING_URI")
     self_evolution(config_path=str(config), overrides=overrides)
     assert os.environ.get("MLFLOW_TRACKING_URI") == before  # logging traces left the process's MLflow URI alone
@@ -184,6 +185,42 @@ def test_the_implicit_prm_scores_each_held_out_episode_turn_by_turn(agent_run):
     _, bon = store.query("SELECT value FROM evaluations WHERE experiment_id = ? AND round = 1 "
                          "AND metric = 'implicit_bon_at_2' AND level = -1", [cfg.experiment])
     assert len(bon) == 1 and 0.0 <= bon[0][0] <= 1.0
+
+
+def test_first_error_labels_each_turn_by_bisecting_the_wrong_episodes(agent_run):
+    """score.mc_strategy=first_error on episodes: hard labels only; a right episode's turns are 1 with no rollout;
+    a searched wrong one is 1 up to its first dead turn and 0 from there, its last turn known without rollout; a
+    wrong episode of a problem no episode solved has its last turn alone."""
+    cfg, store = agent_run
+    _, rows = store.query(
+        "SELECT t.trajectory_id, v.correct, list(l.value ORDER BY l.step_index), list(l.step_index ORDER BY "
+        "l.step_index), list(l.num_rollouts ORDER BY l.step_index), any_value(n.turns), "
+        "bool_or(v2.correct) AS solved "
+        "FROM trajectories t JOIN verifications v USING (trajectory_id) "
+        "JOIN step_labels l USING (trajectory_id) "
+        "JOIN (SELECT trajectory_id, count(*) AS turns FROM steps GROUP BY ALL) n USING (trajectory_id) "
+        "JOIN trajectories t2 ON t2.experiment_id = t.experiment_id AND t2.round = t.round "
+        " AND t2.problem_id = t.problem_id AND t2.purpose = 'train' "
+        "JOIN verifications v2 ON v2.trajectory_id = t2.trajectory_id "
+        "WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' AND l.source = 'mc_hard' GROUP BY ALL",
+        [cfg.experiment])
+    sources = store.query("SELECT DISTINCT source FROM step_labels l JOIN trajectories t USING (trajectory_id) "
+                          "WHERE t.experiment_id = ?", [cfg.experiment])[1]
+    assert sources == [("mc_hard",)]
+    searched = 0
+    for tid, correct, values, index, rollouts, turns, solved in rows:
+        if correct:
+            assert values == [1.0] * turns and index == list(range(turns)) and set(rollouts) == {0}, tid
+        elif not solved:
+            assert (values, index, rollouts) == ([0.0], [turns - 1], [0]), tid
+        else:
+            searched += 1
+            first_dead = values.index(0.0)
+            assert values == [1.0] * first_dead + [0.0] * (turns - first_dead) and rollouts[-1] == 0, tid
+            assert set(rollouts) <= {0, 2} and (turns == 1 or 2 in rollouts), tid
+    assert searched > 0 and any(correct for _, correct, *_ in rows)
+    metrics = json.loads(store.committed_run(cfg.experiment, 1, "score")["metrics_json"])
+    assert metrics["mc_search_levels"] >= 1 and metrics["mc_rollouts"] == 2 * metrics["mc_unique_prefixes"] > 0
 
 
 def test_every_turn_of_every_episode_is_stored_with_its_sampled_ids(agent_run):

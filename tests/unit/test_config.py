@@ -224,14 +224,13 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     with pytest.raises(ConfigError, match="does not support filter.check_steps yet"):
         load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
                                          "filter": {"check_steps": True}})
-    # Monte Carlo turn labels, and grpo's step credit on them, are the agent loop's; the binary search is not yet.
+    # Monte Carlo turn labels, at every turn or by binary search, and grpo's step credit on them.
     grpo = {"recipe": "grpo", "train_policy": {"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}}}
     assert load_config_dict(base | grpo | {"score": {"mc_rollouts": 2}}).score.mc_rollouts == 2
-    with pytest.raises(ConfigError, match="does not support score.mc_strategy=first_error yet"):
-        load_config_dict(base | {"score": {"mc_rollouts": 2, "mc_strategy": "first_error"}})
-    # DPO pairs two episodes of a problem; step-level pairs come from the binary search or a tree, refused here.
+    first_error = {"score": {"mc_rollouts": 2, "mc_strategy": "first_error"}}
+    assert load_config_dict(base | first_error).score.mc_strategy == "first_error"
+    # DPO pairs two episodes of a problem; step-level pairs (from the text search or a tree) are refused here.
     dpo = {"filter": {"dpo_pairs": True}, "train_policy": {"method": "sft+dpo"}}
     assert load_config_dict(base | dpo).train_policy.method == "sft+dpo"
-    with pytest.raises(ConfigError, match="does not support score.mc_strategy=first_error yet"):
-        load_config_dict(base | dpo | {"filter": {"step_dpo_pairs": True},
-                                       "score": {"mc_rollouts": 2, "mc_strategy": "first_error"}})
+    with pytest.raises(ConfigError, match="does not support filter.step_dpo_pairs yet"):
+        load_config_dict(base | dpo | {"filter": {"dpo_pairs": True, "step_dpo_pairs": True}} | first_error)

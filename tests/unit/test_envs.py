@@ -369,6 +369,45 @@ def test_monte_carlo_turn_labels_go_on_from_each_turn_with_what_it_observed():
     assert (stats["unique_prefixes"], stats["rollouts"], stats["replay_mismatches"], calls) == (2, 8, 0, [8])
 
 
+def test_first_error_turn_labels_search_a_wrong_episode_for_its_first_dead_turn():
+    """score.mc_strategy=first_error on episodes: a right episode is 1 at every turn with no rollout; a wrong one is
+    searched by bisection over its turns, and what a rolled-out turn says fixes the turns before or after it."""
+    from components.envs.labels import mc_first_error_turn_labels
+
+    env = get_env("calculator")
+    p, q = env.sample_problems(3, 2, seed=0)
+    expression = p.prompt.removeprefix("What is ").removesuffix("?")
+    right, wrong = (toolcalls.format_call("calculate", {"expression": e}) for e in (expression, "1+1"))
+    episodes = {"a": (p, [right, f"#### {p.answer}"]),  # right
+                "b": (p, [wrong, "#### 2"]),  # dead from its first turn: from the wrong call's result, no way on
+                "c": (p, [right, "#### 7"]),  # alive after its right call, dead at its answer
+                "d": (p, [wrong, right, "#### 7"]),  # bisection rolls out turn 1 only: alive, so turn 0 is too
+                "e": (q, [wrong, "#### 2"])}  # no episode of q is right: not searched
+    items = []
+    for tid, (problem, turns) in episodes.items():
+        [rec] = EpisodeRunner(scripted({problem.prompt: turns}), toolcalls.parse, env.limits).run(
+            [(problem, env.episode(problem))])
+        items.append({"trajectory_id": tid, "problem": problem, "messages": rec.messages,
+                      "correct": rec.reward >= 1.0, "root_alive": problem is p})
+    assert [it["correct"] for it in items] == [True, False, False, False, False]
+    calls = []
+
+    def answers_what_it_read(conversations):
+        calls.append(len(conversations))
+        return [(f"#### {[m['content'] for m in c if m['role'] == 'tool'][-1]}", 2, "stop") for c in conversations]
+
+    rows, stats = mc_first_error_turn_labels(env, answers_what_it_read, items, k=2)
+    assert {r["source"] for r in rows} == {"mc_hard"}
+    got = {(r["trajectory_id"], r["step_index"]): (r["value"], r["num_rollouts"]) for r in rows}
+    assert got == {("a", 0): (1.0, 0), ("a", 1): (1.0, 0),
+                   ("b", 0): (0.0, 2), ("b", 1): (0.0, 0),
+                   ("c", 0): (1.0, 2), ("c", 1): (0.0, 0),
+                   ("d", 0): (1.0, 0), ("d", 1): (1.0, 2), ("d", 2): (0.0, 0),
+                   ("e", 1): (0.0, 0)}
+    assert (stats["unique_prefixes"], stats["rollouts"], stats["search_levels"], stats["dead_root"]) == (3, 6, 1, 1)
+    assert calls == [6] and stats["replay_mismatches"] == 0  # one level: every continuation in one batch
+
+
 def test_a_resumed_episode_has_its_environment_replayed_to_where_it_stood():
     """A stateful environment (TRL's style: a counter): going on from a turn needs the state that turn left."""
     from components.envs.labels import mc_turn_labels
