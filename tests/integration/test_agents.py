@@ -193,17 +193,15 @@ def test_first_error_labels_each_turn_by_bisecting_the_wrong_episodes(agent_run)
     wrong episode of a problem no episode solved has its last turn alone."""
     cfg, store = agent_run
     _, rows = store.query(
-        "SELECT t.trajectory_id, v.correct, list(l.value ORDER BY l.step_index), list(l.step_index ORDER BY "
-        "l.step_index), list(l.num_rollouts ORDER BY l.step_index), any_value(n.turns), "
-        "bool_or(v2.correct) AS solved "
-        "FROM trajectories t JOIN verifications v USING (trajectory_id) "
-        "JOIN step_labels l USING (trajectory_id) "
-        "JOIN (SELECT trajectory_id, count(*) AS turns FROM steps GROUP BY ALL) n USING (trajectory_id) "
-        "JOIN trajectories t2 ON t2.experiment_id = t.experiment_id AND t2.round = t.round "
-        " AND t2.problem_id = t.problem_id AND t2.purpose = 'train' "
-        "JOIN verifications v2 ON v2.trajectory_id = t2.trajectory_id "
-        "WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' AND l.source = 'mc_hard' GROUP BY ALL",
-        [cfg.experiment])
+        "WITH r AS (SELECT t.trajectory_id, t.problem_id, v.correct FROM trajectories t JOIN verifications v "
+        "           USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train'), "
+        "solved AS (SELECT problem_id, bool_or(correct) AS solved FROM r GROUP BY ALL), "
+        "n AS (SELECT trajectory_id, count(*) AS turns FROM steps GROUP BY ALL) "
+        "SELECT r.trajectory_id, r.correct, list(l.value ORDER BY l.step_index), "
+        "       list(l.step_index ORDER BY l.step_index), list(l.num_rollouts ORDER BY l.step_index), "
+        "       any_value(n.turns), any_value(s.solved) "
+        "FROM r JOIN step_labels l USING (trajectory_id) JOIN n USING (trajectory_id) JOIN solved s USING (problem_id) "
+        "WHERE l.source = 'mc_hard' GROUP BY r.trajectory_id, r.correct", [cfg.experiment])
     sources = store.query("SELECT DISTINCT source FROM step_labels l JOIN trajectories t USING (trajectory_id) "
                           "WHERE t.experiment_id = ?", [cfg.experiment])[1]
     assert sources == [("mc_hard",)]
@@ -220,6 +218,9 @@ def test_first_error_labels_each_turn_by_bisecting_the_wrong_episodes(agent_run)
             assert set(rollouts) <= {0, 2} and (turns == 1 or 2 in rollouts), tid
     assert searched > 0 and any(correct for _, correct, *_ in rows)
     metrics = json.loads(store.committed_run(cfg.experiment, 1, "score")["metrics_json"])
+    print(f"{len(rows)} episodes labelled, {sum(c for _, c, *_ in rows)} right, {searched} searched; "
+          f"{metrics['mc_search_levels']:.0f} levels, {metrics['mc_rollouts']:.0f} rollouts from "
+          f"{metrics['mc_unique_prefixes']:.0f} prefixes, {metrics['mc_dead_root']:.0f} unsolved not searched")
     assert metrics["mc_search_levels"] >= 1 and metrics["mc_rollouts"] == 2 * metrics["mc_unique_prefixes"] > 0
 
 
