@@ -6,7 +6,8 @@ Per seed, `rft` runs configs/micro.yaml (its bootstrap, then `--rounds` rounds);
 run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start from the same model:
 - `grpo`: configs/micro-grpo.yaml as shipped (DAPO loss, 32 problems per level x 8 rollouts, lr 2e-5, 2 passes);
 - `grpo-lr1e-4`: the same at learning rate 1e-4;
-- `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at rft's learning rate, then with 64 problems a level.
+- `grpo-lr2e-4`, `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at 2e-4, at rft's learning rate, then at
+  rft's with 64 problems a level.
 
 Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
@@ -31,6 +32,7 @@ ARMS = {
     "grpo-lr1e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=1e-4"]),
     # rft's SFT takes 150 steps at 5e-4 a round; grpo as shipped about 20 at 2e-5. These give grpo rft's step size,
     # then also twice the problems a level (still about 0.7x rft's sampled tokens a round).
+    "grpo-lr2e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=2e-4"]),
     "grpo-lr5e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4"]),
     "grpo-lr5e-4-wide": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4",
                                                       "generate.problems_per_level=64"]),
