@@ -799,8 +799,9 @@ class ExperimentConfig(_Section):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet (search is still to "
-                             "come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy every_prefix or first_error), the PRM, "
-                             "the implicit PRM, the ORM, best-of-N, DPO on episodes and grpo's step credit work")
+                             "come); Monte Carlo turn labels (score.mc_rollouts, mc_strategy every_prefix or "
+                             "first_error), the PRM, the implicit PRM, the ORM, best-of-N, DPO on episodes and grpo's "
+                             "step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

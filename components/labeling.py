@@ -14,6 +14,7 @@ the hard label is whether any does. Rows are `step_labels` rows: {"trajectory_id
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from components.domains.base import Domain, Problem
@@ -136,38 +137,61 @@ def mc_first_error_labels(domain: Domain, backend: GenerationBackend, items: lis
               if not ok and j not in dead_root}
     value: dict[tuple[str, str, str], float] = {}  # (prompt, steps so far, reference) -> hard value
     win: dict[tuple[str, str, str], str | None] = {}  # ... -> a rollout from there that reached the answer
-    rolled: set[tuple[str, int]] = set()          # (trajectory, step) whose prefix was rolled out
     stats = {"trajectories": len(items), "steps": sum(len(it["steps"]) for it in items), "unique_prefixes": 0,
              "rollouts": 0, "generated_tokens": 0, "search_levels": 0, "dead_root": len(dead_root)}
-    while any(lo < hi for lo, hi in bounds.values()):
-        mids = {j: (lo + hi) // 2 for j, (lo, hi) in bounds.items() if lo < hi}
+
+    def alive(mids: dict[int, int], level: int) -> dict[int, bool]:
         keys = {j: (items[j]["prompt"], _text(items[j]["steps"][:m + 1], domain.step_separator), items[j]["answer_ref"]) for j, m in mids.items()}
         todo = sorted({key for key in keys.values() if key not in value})  # empty when all were rolled out
         values, tokens, wins = _rollout_values(domain, backend, todo, k, temperature, max_new_tokens,
-                                               seed_stream(seed, stats["search_levels"]))
-        value |= {key: hard for key, (_, hard) in zip(todo, values)}
-        win |= dict(zip(todo, wins))
+                                               seed_stream(seed, level))
+        value.update({key: hard for key, (_, hard) in zip(todo, values)})
+        win.update(zip(todo, wins))
         stats["unique_prefixes"] += len(todo)
         stats["rollouts"] += len(todo) * k
         stats["generated_tokens"] += tokens
-        stats["search_levels"] += 1
-        for j, m in mids.items():
-            rolled.add((items[j]["trajectory_id"], m))
-            if value[keys[j]]:
-                bounds[j][0] = m + 1
-            else:
-                bounds[j][1] = m
+        return {j: bool(value[key]) for j, key in keys.items()}
+
+    firsts, probed, stats["search_levels"] = bisect_first_dead(bounds, alive)
     rows: list[dict[str, Any]] = []
     for j, it in enumerate(items):
-        tid, first_bad = it["trajectory_id"], bounds[j][0] if j in bounds else len(it["steps"])
+        tid, first_bad = it["trajectory_id"], firsts.get(j, len(it["steps"]))
         if j in dead_root:
             rows.append({"trajectory_id": tid, "step_index": len(it["steps"]) - 1, "source": "mc_hard",
                          "value": 0.0, "num_rollouts": 0})
             continue
         rows += [{"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": float(i < first_bad),
-                  "num_rollouts": k if (tid, i) in rolled else 0} for i in range(len(it["steps"]))]
-    firsts = {j: bounds[j][0] for j in bounds}
+                  "num_rollouts": k if (j, i) in probed else 0} for i in range(len(it["steps"]))]
     return rows, stats, _step_pairs(domain, items, finals, firsts, win)
+
+
+def bisect_first_dead(bounds: dict[Hashable, list[int]], alive: Callable[[dict[Any, int], int], dict[Any, bool]],
+                      ) -> tuple[dict[Any, int], set[tuple[Any, int]], int]:
+    """The first dead step of every item at once, by binary search (OmegaPRM): a prefix from which no completion
+    succeeds stays dead as steps are added. `bounds[item] = [lo, hi]`: the first dead step lies in [lo, hi]. Each
+    level asks `alive({item: step}, level)` whether each open item's prefix through that step (its middle one) is
+    alive, in one call. Returns (item -> its first dead step, the (item, step) pairs asked about, the levels).
+
+    >>> dead_from = {"a": 3, "b": 0, "c": 5}  # c never dies before its last step, 4
+    >>> firsts, asked, levels = bisect_first_dead({"a": [0, 4], "b": [0, 4], "c": [0, 4]},
+    ...                                           lambda mids, level: {i: m < dead_from[i] for i, m in mids.items()})
+    >>> firsts, levels, sorted(s for i, s in asked if i == "a")
+    ({'a': 3, 'b': 0, 'c': 4}, 3, [2, 3])
+    """
+    bounds = {item: list(b) for item, b in bounds.items()}
+    asked: set[tuple[Any, int]] = set()
+    levels = 0
+    while any(lo < hi for lo, hi in bounds.values()):
+        mids = {item: (lo + hi) // 2 for item, (lo, hi) in bounds.items() if lo < hi}
+        answers = alive(mids, levels)
+        levels += 1
+        for item, m in mids.items():
+            asked.add((item, m))
+            if answers[item]:
+                bounds[item][0] = m + 1
+            else:
+                bounds[item][1] = m
+    return {item: lo for item, (lo, _) in bounds.items()}, asked, levels
 
 
 def _step_pairs(domain: Domain, items: list[dict[str, Any]], finals: list[float | None], first_bad: dict[int, int],

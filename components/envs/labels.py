@@ -25,7 +25,7 @@ from typing import Any
 
 from components.envs import toolcalls
 from components.envs.base import EpisodeRunner, Message
-from components.labeling import mc_rows, mc_value
+from components.labeling import bisect_first_dead, mc_rows, mc_value
 
 
 def _key(problem_id: str, messages: list[Message]) -> tuple:
@@ -87,21 +87,17 @@ def mc_first_error_turn_labels(env: Any, generate: Any, items: list[dict[str, An
     bounds = {it["trajectory_id"]: [0, len(prefixes[it["trajectory_id"]])] for it in items
               if not it["correct"] and it["trajectory_id"] not in dead_root}
     by_id = {it["trajectory_id"]: it for it in items}
-    alive: dict[tuple, bool] = {}
-    rolled: set[tuple[str, int]] = set()
-    stats = _stats(items) | {"search_levels": 0, "dead_root": len(dead_root)}
-    while any(lo < hi for lo, hi in bounds.values()):
-        mids = {tid: (lo + hi) // 2 for tid, (lo, hi) in bounds.items() if lo < hi}
+    known: dict[tuple, bool] = {}  # a turn prefix, by `_key` -> whether any continuation from it succeeded
+    stats = _stats(items) | {"dead_root": len(dead_root)}
+
+    def alive(mids: dict[str, int], level: int) -> dict[str, bool]:
         keys = {tid: _key(by_id[tid]["problem"].problem_id, prefixes[tid][m]) for tid, m in mids.items()}
-        slots = {key: (by_id[tid]["problem"], prefixes[tid][mids[tid]]) for tid, key in keys.items() if key not in alive}
-        alive |= {key: any(flags) for key, flags in _go_on(env, generate, slots, k, stats).items()}
-        stats["search_levels"] += 1
-        for tid, m in mids.items():
-            rolled.add((tid, m))
-            if alive[keys[tid]]:
-                bounds[tid][0] = m + 1
-            else:
-                bounds[tid][1] = m
+        slots = {key: (by_id[tid]["problem"], prefixes[tid][mids[tid]]) for tid, key in keys.items()
+                 if key not in known}
+        known.update({key: any(flags) for key, flags in _go_on(env, generate, slots, k, stats).items()})
+        return {tid: known[key] for tid, key in keys.items()}
+
+    firsts, rolled, stats["search_levels"] = bisect_first_dead(bounds, alive)
     rows: list[dict[str, Any]] = []
     for it in items:
         tid, n = it["trajectory_id"], len(prefixes[it["trajectory_id"]]) + 1
@@ -109,7 +105,7 @@ def mc_first_error_turn_labels(env: Any, generate: Any, items: list[dict[str, An
             rows.append({"trajectory_id": tid, "step_index": n - 1, "source": "mc_hard", "value": 0.0,
                          "num_rollouts": 0})
             continue
-        first_dead = bounds[tid][0] if tid in bounds else n
+        first_dead = firsts.get(tid, n)
         rows += [{"trajectory_id": tid, "step_index": i, "source": "mc_hard", "value": float(i < first_dead),
                   "num_rollouts": k if (tid, i) in rolled else 0} for i in range(n)]
     stats["steps"] = len(rows)
