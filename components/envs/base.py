@@ -184,7 +184,7 @@ class EpisodeRecord:
     messages: list[Message]
     turns: list[Turn]
     reward: float
-    status: str  # done | truncated_turns | truncated_time | truncated_context | error
+    status: str  # done | truncated_turns | truncated_time | truncated_context | error | open (max_new_turns)
     error: str | None = None  # the traceback, where the environment raised
     env_s: float = 0.0  # wall time inside the environment
     gen_s: float = 0.0  # wall time generating
@@ -206,16 +206,21 @@ class EpisodeRunner:
     assistant turns are replayed into the episode, so the environment stands where it stood, and the loop goes
     on from there. Its turns count against `max_turns`; its wall time starts again. Where the environment
     answers the replay with other observations than the stored ones (an environment that is not
-    deterministic), the conversation keeps the stored ones and `replay_mismatch` says so."""
+    deterministic), the conversation keeps the stored ones and `replay_mismatch` says so.
+
+    `max_new_turns` stops every episode after that many assistant turns of its own, as status `open`: one turn of
+    a tree search's expansion (components/search/episodes.py). The environment's limits still end it first."""
 
     def __init__(self, generate: Callable[[list[list[Message]]], list[tuple[str, int, str]]],
                  parse: Callable[[str], Action], limits: EpisodeLimits):
         self.generate, self.parse, self.limits = generate, parse, limits
 
     def run(self, episodes: list[tuple[Problem, Episode]],
-            prefixes: list[list[Message] | None] | None = None) -> list[EpisodeRecord]:
+            prefixes: list[list[Message] | None] | None = None,
+            max_new_turns: int | None = None) -> list[EpisodeRecord]:
         records: list[EpisodeRecord] = []
         live: list[tuple[EpisodeRecord, Episode, float]] = []
+        new_turns: dict[int, int] = {}  # id(record) -> assistant turns generated in this run
         for k, (problem, ep) in enumerate(episodes):
             rec = EpisodeRecord(problem, [], [], 0.0, "done")
             t0 = time.perf_counter()
@@ -247,6 +252,7 @@ class EpisodeRunner:
                 if ids:
                     msg["token_ids"] = list(ids[0])
                 rec.messages.append(msg)
+                new_turns[id(rec)] = new_turns.get(id(rec), 0) + 1
                 rec.turns.append(Turn(len(rec.turns), "assistant", text, num_tokens=ntok, finish_reason=finish,
                                       latency_s=gen, token_ids=msg.get("token_ids")))
                 t1 = time.perf_counter()
@@ -273,6 +279,8 @@ class EpisodeRunner:
                     rec.status = "truncated_turns"
                 elif time.monotonic() - started > self.limits.max_wall_s:
                     rec.status = "truncated_time"
+                elif max_new_turns is not None and new_turns[id(rec)] >= max_new_turns:
+                    rec.status = "open"
                 else:
                     still.append((rec, ep, started))
             live = still

@@ -74,6 +74,43 @@ def run_episodes(env: Any, generate: Any, problems: list[Problem], *, n: int, ex
     return batch, episode_stats(records)
 
 
+def search_episodes(env: Any, generate: Any, problems: list[Problem], search: Any, *, n: int, experiment: str,
+                    round: int, purpose: str, policy_model_id: str | None, seed: int, temperature: float = 1.0,
+                    top_p: float = 1.0, max_new_tokens: int = 0, progress: Callable[[str], None] | None = None,
+                    ) -> tuple[EpisodeBatch, list[dict[str, Any]], dict[str, float]]:
+    """`generate.mcts` on an environment: one tree over turns per problem (components/search/episodes.py), and up
+    to `n` episodes from each, stored as any episode; the trees as `nodes` rows, a node naming the trajectory it
+    became; the search's statistics. `discarded_tokens` is what the search generated beyond the episodes kept."""
+    from components.generation import search_tree_id
+    from components.search.episodes import episode_mcts
+    from components.search.mcts import MCTSConfig, node_rows
+
+    cfg = MCTSConfig.of(search, len(problems))
+
+    def report(sim: int, spent: int) -> None:
+        if progress:
+            progress(f"simulation {sim}/{cfg.simulations}: {spent} tokens")
+
+    trees, picked, stats = episode_mcts(env, generate, problems, cfg, rollouts=search.rollouts, n=n, progress=report)
+    batch, nodes = EpisodeBatch(), []
+    for p, tree, episodes in zip(problems, trees, picked, strict=True):
+        became: dict[int, str] = {}
+        for idx, (node_id, rec) in enumerate(episodes):
+            rows = episode_rows(rec, experiment=experiment, round=round, purpose=purpose,
+                                policy_model_id=policy_model_id, sample_index=idx, temperature=temperature,
+                                top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, verifier=f"{env.name}.score",
+                                verifier_version="1", answer=env.extract_answer)
+            batch.add(rows)
+            tid = became[node_id] = rows["trajectories"][0]["trajectory_id"]
+            batch.rewards[tid] = rec.reward
+            batch.records.append(rec)
+        nodes += [{"tree_id": search_tree_id(experiment, round, purpose, p.problem_id), "experiment_id": experiment,
+                   "round": round, "purpose": purpose, "problem_id": p.problem_id} | row
+                  | {"trajectory_id": became.get(row["node_id"])} for row in node_rows(tree)]
+    kept = sum(t["num_tokens"] for t in batch.trajectories)
+    return batch, nodes, stats | {"discarded_tokens": stats["generated_tokens"] - kept}
+
+
 def episode_stats(records: list[EpisodeRecord]) -> dict[str, float]:
     turns = [t for r in records for t in r.turns]
     tools = [t for t in turns if t.role == "tool"]

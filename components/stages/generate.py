@@ -61,6 +61,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     t0 = time.perf_counter()
     backend = backend_of(spec, inp.policy_uri)
     if is_agent(domain):
+        if g.mcts is not None:
+            return _episode_mcts(spec, out, domain, backend, inp, problems, t0)
         return _episodes(spec, out, domain, backend, inp, problems, t0)
     if g.mcts is not None:
         return _mcts(spec, out, domain, backend, inp, problems, t0)
@@ -116,6 +118,40 @@ def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs
              "tokens_per_s": tokens / max(dt, 1e-9), "prompt_tokens": sampler.prompt_tokens,
              "context_full": sampler.context_full} | {f"agent_{k}": float(v) for k, v in stats.items()}
             | backend_metrics(backend))
+
+
+def _episode_mcts(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,
+                  ) -> dict[str, float]:
+    """An environment's round by MCTS over turns: a tree per problem, a node an assistant turn with what the
+    environment answered; its best finished episodes (then its rollouts') are the trajectories."""
+    from components.envs.rollout import env_share, episode_stats, search_episodes
+
+    g = spec.cfg().generate
+    m = g.mcts
+    log("generate", f"MCTS over turns: {m.simulations} simulations, {m.expansions} draws per expansion, c_puct "
+                    f"{m.c_puct}, values from {m.rollouts} rollouts per episode so far"
+                    + (f", {m.token_budget} tokens per problem" if m.token_budget else ""))
+    if hasattr(backend, "progress"):
+        backend.progress = False  # its per-call counts would interleave with the simulations', which say more
+    sampler = agent_sampler(backend, inp.policy_uri, temperature=g.temperature, top_p=g.top_p,
+                            max_new_tokens=g.max_new_tokens, seed=spec.seed)
+    batch, nodes, stats = search_episodes(
+        env, sampler, problems, m, n=g.samples_per_problem, experiment=spec.experiment, round=spec.round,
+        purpose="train", policy_model_id=inp.policy_model_id, seed=spec.seed, temperature=g.temperature,
+        top_p=g.top_p, max_new_tokens=g.max_new_tokens, progress=lambda msg: log("generate", msg))
+    dt = time.perf_counter() - t0
+    write(out, **batch.tables, nodes=nodes)
+    tokens = sum(t["num_tokens"] for t in batch.trajectories)
+    # The episodes kept, as the loop counts them; the time is the whole search's, every expansion and rollout.
+    agent = episode_stats(batch.records) | {"env_seconds": stats["env_seconds"], "gen_seconds": stats["gen_seconds"],
+                                            "env_share": env_share(stats["env_seconds"], stats["gen_seconds"])}
+    log("generate", f"{len(batch.trajectories)} episodes from {len(problems)} trees of {stats['nodes']} turns; "
+                    f"{stats['generated_tokens']} tokens generated in {dt:.1f}s, {stats['right_leaves']} right leaves")
+    return ({"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": tokens,
+             "tokens_per_s": stats["generated_tokens"] / max(dt, 1e-9), "prompt_tokens": sampler.prompt_tokens,
+             "context_full": sampler.context_full}
+            | {f"agent_{k}": float(v) for k, v in agent.items()}
+            | {f"search_{k}": float(v) for k, v in stats.items()} | backend_metrics(backend))
 
 
 def _mcts(spec: StageSpec, out: StageOutputWriter, domain, backend, inp: Inputs, problems: list, t0: float,

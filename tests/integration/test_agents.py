@@ -71,6 +71,81 @@ def agent_grpo(agent_run):
     return grpo, Store.for_config(grpo)
 
 
+@pytest.fixture(scope="module")
+def agent_mcts(agent_run):
+    """generate.mcts on the same environment, from agent_run's round-0 policy: one round of level 1 (which that
+    policy answers) whose episodes are the trees' best finished episodes, a node one assistant turn with what the
+    calculator answered."""
+    from flows.evolution import self_evolution
+
+    cfg, store = agent_run
+    model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
+    config = REPO / "configs" / "calculator.yaml"
+    overrides = [f"workdir={cfg.workdir}", "experiment=calc-mcts", "rounds=1", f"policy.model={model}",
+                 "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
+                 "bootstrap.problems_per_level=60", "generate.problems_per_level=4", "generate.samples_per_problem=2",
+                 "domain.options={test_size: 40, max_level: 1}",
+                 "generate.mcts={simulations: 4, expansions: 3, rollouts: 1}",
+                 "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1"]
+    self_evolution(config_path=str(config), overrides=overrides)
+    mcts = load_config(config, overrides)
+    return mcts, Store.for_config(mcts)
+
+
+# Each episode the search returned, its node's path rebuilt up to the root: the turns' texts joined.
+PATHS = """
+WITH RECURSIVE up AS (
+    SELECT tree_id, trajectory_id, terminal, reward, node_id, parent_id, step_text AS text FROM nodes
+    WHERE trajectory_id IS NOT NULL AND experiment_id = ?
+    UNION ALL
+    SELECT up.tree_id, up.trajectory_id, up.terminal, up.reward, n.node_id, n.parent_id, n.step_text || up.text
+    FROM up JOIN nodes n ON n.tree_id = up.tree_id AND n.node_id = up.parent_id
+)
+SELECT up.trajectory_id, up.terminal, up.reward, up.text, t.completion, v.correct
+FROM up JOIN trajectories t USING (trajectory_id) JOIN verifications v USING (trajectory_id)
+WHERE up.parent_id IS NULL
+"""
+
+
+def test_mcts_searches_over_turns_and_its_episodes_are_the_trees_paths(agent_mcts):
+    """Every node past the root is an assistant turn with the observations it got; each stored episode is the path
+    to the node that named it (a finished leaf whole, or a node its rollout completed), and the verify stage's
+    verdict on a finished leaf's episode is the reward the search backed up."""
+    cfg, store = agent_mcts
+    _, trees = store.query(
+        "SELECT tree_id, count(*), max(depth), count(*) FILTER (WHERE terminal), "
+        "count(*) FILTER (WHERE depth > 0 AND step_text NOT LIKE '%' || chr(10)) FROM nodes "
+        "WHERE experiment_id = ? AND round = 1 AND purpose = 'train' GROUP BY tree_id", [cfg.experiment])
+    n_problems = store.query("SELECT count(DISTINCT problem_id) FROM trajectories WHERE experiment_id = ? AND "
+                             "round = 1 AND purpose = 'train'", [cfg.experiment])[1][0][0]
+    assert len(trees) == n_problems > 0
+    assert all(nodes > 1 and 1 <= depth <= 3 and unended == 0 for _, nodes, depth, _, unended in trees), trees
+    _, tool_turns = store.query("SELECT count(*) FROM nodes WHERE experiment_id = ? AND step_text LIKE "
+                                "'%[tool:calculate] %'", [cfg.experiment])
+    assert tool_turns[0][0] > 0  # turns that called the calculator carry what it returned
+    _, paths = store.query(PATHS, [cfg.experiment])
+    _, stored = store.query("SELECT trajectory_id FROM trajectories WHERE experiment_id = ? AND round = 1 AND "
+                            "purpose = 'train'", [cfg.experiment])
+    assert sorted(p[0] for p in paths) == sorted(t for t, in stored)
+    for tid, terminal, reward, text, completion, correct in paths:
+        if terminal:
+            assert text == completion + "\n" and bool(correct) == (reward == 1.0), tid
+        else:  # its rollout went on from the node's last turn
+            assert (completion + "\n").startswith(text) and len(completion) + 1 > len(text), tid
+    gen = json.loads(store.committed_run(cfg.experiment, 1, "generate")["metrics_json"])
+    print(f"{len(trees)} trees, {sum(t[1] for t in trees)} nodes, {gen['trajectories']:.0f} episodes "
+          f"({gen['search_from_rollouts']:.0f} from rollouts, {sum(bool(p[5]) for p in paths)} right); "
+          f"{gen['search_generated_tokens']:.0f} tokens searched, {gen['tokens']:.0f} kept")
+    assert gen["search_generated_tokens"] == gen["tokens"] + gen["search_discarded_tokens"] > gen["tokens"]
+    assert gen["agent_episodes"] == gen["trajectories"] == len(paths) and gen["search_replay_mismatches"] == 0
+    # the episodes are any episode's: sampled ids on every assistant turn, and the round trained on them
+    _, no_ids = store.query("SELECT count(*) FROM turns u JOIN trajectories t USING (trajectory_id) WHERE "
+                            "t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' AND u.role = 'assistant' "
+                            "AND u.token_ids IS NULL", [cfg.experiment])
+    assert no_ids[0][0] == 0
+    assert json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])["steps"] == 2
+
+
 def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(agent_grpo):
     cfg, store = agent_grpo
     _, rows = store.query(
