@@ -14,6 +14,7 @@ learning rate, no warmup, as a grpo round does:
 - `sft-like`: advantage 1 on every right rollout and 0 elsewhere: SFT on the right rollouts, through TRL's
   GRPOTrainer and the DAPO loss;
 - `grpo-kl`: `grpo` with a KL to the starting policy, beta 0.1 (`reference: initial`);
+- `grpo-cosine`: `grpo` with the learning rate decayed to 0 over the round's steps (`lr_scheduler: cosine`);
 - `sft`: coevo's SFT trainer (`train_sft`, as rft trains) on the same right rollouts' text, batches of 16;
 - `sft-refs`: the same trainer on the domain's reference solutions to the round's problems: any update of this
   size, on data that is all correct.
@@ -44,13 +45,14 @@ from components.training.grpo import GRPOParams, train_grpo  # noqa: E402
 from components.training.sft import SFTParams, train_sft  # noqa: E402
 
 G, GROUPS_PER_STEP = 8, 4
-# grpo arms: (advantage from (stored advantage, right?), beta); sft arms: the data they train on.
+# grpo arms: (advantage from (stored advantage, right?), beta, learning-rate schedule); sft arms: their data.
 GRPO_ARMS = {
-    "grpo": (lambda a, right: a, 0.0),
-    "positive": (lambda a, right: max(a, 0.0), 0.0),
-    "negative": (lambda a, right: min(a, 0.0), 0.0),
-    "sft-like": (lambda a, right: 1.0 if right else 0.0, 0.0),
-    "grpo-kl": (lambda a, right: a, 0.1),
+    "grpo": (lambda a, right: a, 0.0, "constant"),
+    "positive": (lambda a, right: max(a, 0.0), 0.0, "constant"),
+    "negative": (lambda a, right: min(a, 0.0), 0.0, "constant"),
+    "sft-like": (lambda a, right: 1.0 if right else 0.0, 0.0, "constant"),
+    "grpo-kl": (lambda a, right: a, 0.1, "constant"),
+    "grpo-cosine": (lambda a, right: a, 0.0, "cosine"),
 }
 SFT_ARMS = ("sft", "sft-refs")
 
@@ -116,11 +118,11 @@ def main() -> None:
                     logging_steps=1000))
                 m |= {"clip_ratio": float("nan"), "policy_shift": float("nan")}
             else:
-                transform, beta = GRPO_ARMS[name]
+                transform, beta, schedule = GRPO_ARMS[name]
                 these = [r | {"advantage": transform(r["advantage"], r["outcome"] > 0)} for r in kept]
                 m, _ = train_grpo(args.model, args.model if beta else None, these, out, GRPOParams(
                     num_generations=G, groups_per_step=GROUPS_PER_STEP, num_iterations=args.passes, learning_rate=lr,
-                    epsilon_high=0.28, beta=beta))
+                    epsilon_high=0.28, beta=beta, lr_scheduler=schedule))
             arm = {"arm": name, "learning_rate": lr, "steps": m["steps"], "clip_fraction": m["clip_ratio"],
                    "policy_shift": m["policy_shift"], **measure(out)}
             arms.append(arm)

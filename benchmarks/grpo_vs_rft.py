@@ -7,7 +7,8 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo`: configs/micro-grpo.yaml as shipped (DAPO loss, 32 problems per level x 8 rollouts, lr 2e-5, 2 passes);
 - `grpo-lr1e-4`: the same at learning rate 1e-4;
 - `grpo-lr2e-4`, `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at 2e-4, at rft's learning rate, then at
-  rft's with 64 problems a level.
+  rft's with 64 problems a level;
+- `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
 
 Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
@@ -36,6 +37,9 @@ ARMS = {
     "grpo-lr5e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4"]),
     "grpo-lr5e-4-wide": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4",
                                                       "generate.problems_per_level=64"]),
+    # each round's rate decayed to 0, as rft's SFT rounds end (docs/grpo.md, "Why")
+    "grpo-lr1e-4-cosine": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=1e-4",
+                                                        "train_policy.grpo.lr_scheduler=cosine"]),
 }
 HARDEST = 3
 

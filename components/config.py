@@ -345,6 +345,11 @@ class GRPOSection(_Section):
     num_iterations: int = Field(1, ge=1, description="Passes over the round's rollouts (GRPO's mu); each step "
                                                      "after the first trains on rollouts one step staler.")
     learning_rate: float = Field(1e-5, gt=0)
+    lr_scheduler: Literal["constant", "cosine", "linear"] = Field(
+        "constant", description="The learning rate over a round's optimizer steps: constant, or decayed to 0 "
+                                "(cosine, linear), which ends each round annealed as SFT's rounds end "
+                                "(docs/grpo.md, 'Why').",
+        exclude_if=lambda v: v == "constant")  # so configs from before it hash as they did
     epsilon: float = Field(0.2, gt=0, description="The importance ratio's clip (PPO), low side.")
     epsilon_high: float | None = Field(None, gt=0, description="The clip's high side where it differs (DAPO: 0.28).")
     beta: float = Field(0.0, ge=0, description="KL penalty to the reference; 0 loads no reference.")

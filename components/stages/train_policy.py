@@ -219,7 +219,8 @@ def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir,
     g, gen = cfg.train_policy.grpo, cfg.generate
     settings = trainer_settings(cfg, "train_policy.grpo", cfg.train_policy.max_length)
     params = GRPOParams(num_generations=gen.samples_per_problem, groups_per_step=g.groups_per_step,
-                        num_iterations=g.num_iterations, learning_rate=g.learning_rate, loss_type=g.loss_type,
+                        num_iterations=g.num_iterations, learning_rate=g.learning_rate,
+                        lr_scheduler=g.lr_scheduler, loss_type=g.loss_type,
                         beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
                         temperature=gen.temperature or 1.0, seed=spec.seed,
                         **{k: settings[k] for k in ("prompt_format", "dtype", "lora", "gradient_checkpointing",

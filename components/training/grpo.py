@@ -39,6 +39,7 @@ from components.training.common import (ProgressCallback, check_dtype, keep_safe
 from components.training.lora import LoraParams, lora_config, save_lora
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+LR_SCHEDULERS = ("constant", "cosine", "linear")
 DECODE_WINDOW = 8  # step_token_advantages: tokens of context each token is decoded with
 KEYS = ("trajectory_id", "group_id", "prompt_ids", "completion_ids", "reward", "advantage")
 
@@ -49,6 +50,7 @@ class GRPOParams:
     groups_per_step: int = 4             # groups per optimizer step (one group per forward pass)
     num_iterations: int = 1              # passes over the round's rollouts (GRPO's mu)
     learning_rate: float = 1e-5
+    lr_scheduler: str = "constant"       # constant | cosine | linear: over the round's steps, to 0 but constant
     loss_type: str = "dapo"              # grpo | dr_grpo | dapo | bnpo (TRL's)
     beta: float = 0.0                    # KL to the reference; 0: no reference is loaded
     epsilon: float = 0.2                 # the ratio's clip, low side (and high side without epsilon_high)
@@ -73,6 +75,8 @@ class GRPOParams:
             raise ValueError(f"{where}.num_generations must be >= 2: an advantage compares a rollout with its group")
         if self.groups_per_step < 1 or self.num_iterations < 1 or self.logging_steps < 1:
             raise ValueError(f"{where}: groups_per_step, num_iterations and logging_steps must be >= 1")
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise ValueError(f"{where}.lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}; got {self.lr_scheduler!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"{where}.loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
         if not self.learning_rate > 0 or not self.beta >= 0 or not self.epsilon > 0 or not self.temperature > 0:
@@ -180,7 +184,8 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
 
     The metrics: steps, runtime_s, rollouts and groups trained on, the mean of TRL's logged `loss`, `entropy`,
     `kl` (beta > 0), `clip_ratio` (TRL's region mean: the share of tokens whose ratio was clipped),
-    `advantage_gap`, and the staleness of the rollouts each step trained on (`staleness_mean`, `staleness_max`,
+    `advantage_gap`, the learning rate of the last step (`final_learning_rate`, as TRL logged it),
+    and the staleness of the rollouts each step trained on (`staleness_mean`, `staleness_max`,
     in optimizer steps since they were sampled). The rows: {"trajectory_id", "tokens", "old_logprob",
     "new_logprob"}, summed over the tokens the model sampled.
     """
@@ -252,7 +257,8 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
         args = GRPOConfig(
             output_dir=scratch, max_steps=max_steps, per_device_train_batch_size=g, num_generations=g,
             steps_per_generation=n_groups, gradient_accumulation_steps=accumulate,
-            num_iterations=params.num_iterations, learning_rate=params.learning_rate, lr_scheduler_type="constant",
+            num_iterations=params.num_iterations, learning_rate=params.learning_rate,
+            lr_scheduler_type=params.lr_scheduler,
             loss_type=params.loss_type, beta=params.beta, epsilon=params.epsilon, epsilon_high=params.epsilon_high,
             temperature=params.temperature, max_completion_length=max(len(r["completion_ids"]) for r in rollouts),
             seed=params.seed, data_seed=params.seed, use_cpu=use_cpu, bf16=False, fp16=False,
@@ -298,6 +304,8 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
         **{name: _mean(history, key) for name, key in (("entropy", "entropy"), ("kl", "kl"),
                                                        ("clip_ratio", "clip_ratio/region_mean"))},
         "advantage_gap": max(gaps) if gaps else math.nan,
+        "final_learning_rate": next((float(h["learning_rate"]) for h in reversed(history) if "learning_rate" in h),
+                                    math.nan),
         "staleness_mean": (steps - 1) / 2 if steps else math.nan, "staleness_max": max(steps - 1, 0),
         # How far the round's updates moved the policy on its own rollouts: mean per sampled token of
         # log pi_old - log pi_new (a KL estimate, k1), the cost of training k steps on them.

@@ -232,6 +232,9 @@ def test_per_token_advantages_and_an_env_mask_train(tmp_path, one_torch_thread):
         mask = [1] * (n // 2) + [0] * (n - n // 2)  # the second half stands for an observation
         rollouts.append(r | {"env_mask": mask, "reward": float(j), "advantage": [1.0 if j else -1.0] * n})
     metrics, rows = train_grpo(init, None, rollouts, str(tmp_path / "out"),
-                               GRPOParams(num_generations=2, groups_per_step=1, learning_rate=1e-3, use_cpu=True))
+                               GRPOParams(num_generations=2, groups_per_step=1, learning_rate=1e-3, use_cpu=True,
+                                          lr_scheduler="cosine"))
     assert metrics["steps"] == 2 and math.isnan(metrics["advantage_gap"])  # no scalar advantage to compare
+    # cosine over the round's 2 steps: the second trains at half the rate (and the schedule ends at 0 after it)
+    assert metrics["final_learning_rate"] == pytest.approx(5e-4)
     assert [r["tokens"] for r in rows] == [sum(r["env_mask"]) for r in rollouts]
