@@ -796,7 +796,6 @@ class ExperimentConfig(_Section):
         unsupported = {"filter.step_dpo_pairs": self.filter.step_dpo_pairs,
                        f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
                        "generate.search": self.generate.search is not None,
-                       "generate.mcts.value=prm": self.generate.mcts is not None and self.generate.mcts.value == "prm",
                        "score.tree": self.score.tree is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
@@ -804,7 +803,7 @@ class ExperimentConfig(_Section):
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet; MCTS over turns "
-                             "(generate.mcts, valued by rollouts), Monte Carlo turn labels (score.mc_rollouts, "
+                             "(generate.mcts), Monte Carlo turn labels (score.mc_rollouts, "
                              "mc_strategy every_prefix or first_error), the PRM, the implicit PRM, the ORM, best-of-N, "
                              "DPO on episodes and grpo's step credit work")
 

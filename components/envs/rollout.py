@@ -77,10 +77,12 @@ def run_episodes(env: Any, generate: Any, problems: list[Problem], *, n: int, ex
 def search_episodes(env: Any, generate: Any, problems: list[Problem], search: Any, *, n: int, experiment: str,
                     round: int, purpose: str, policy_model_id: str | None, seed: int, temperature: float = 1.0,
                     top_p: float = 1.0, max_new_tokens: int = 0, progress: Callable[[str], None] | None = None,
+                    score_steps: Callable[[list[str], list[list[str]]], list[list[float]]] | None = None,
                     ) -> tuple[EpisodeBatch, list[dict[str, Any]], dict[str, float]]:
     """`generate.mcts` on an environment: one tree over turns per problem (components/search/episodes.py), and up
     to `n` episodes from each, stored as any episode; the trees as `nodes` rows, a node naming the trajectory it
-    became; the search's statistics. `discarded_tokens` is what the search generated beyond the episodes kept."""
+    became; the search's statistics. `discarded_tokens` is what the search generated beyond the episodes kept.
+    `score_steps`, a PRM's, values the nodes in place of rollouts."""
     from components.generation import search_tree_id
     from components.search.episodes import episode_mcts
     from components.search.mcts import MCTSConfig, node_rows
@@ -91,7 +93,8 @@ def search_episodes(env: Any, generate: Any, problems: list[Problem], search: An
         if progress:
             progress(f"simulation {sim}/{cfg.simulations}: {spent} tokens")
 
-    trees, picked, stats = episode_mcts(env, generate, problems, cfg, rollouts=search.rollouts, n=n, progress=report)
+    trees, picked, stats = episode_mcts(env, generate, problems, cfg, rollouts=search.rollouts, n=n, progress=report,
+                                        score_steps=score_steps)
     batch, nodes = EpisodeBatch(), []
     for p, tree, episodes in zip(problems, trees, picked, strict=True):
         became: dict[int, str] = {}

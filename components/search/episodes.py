@@ -12,7 +12,7 @@ the environment gave back, and a path from the root is an episode so far.
   the K drew it. A child is terminal where its episode ended: answered, or cut at a turn, time or context limit.
 - **value**: a non-terminal child's episode is resumed `rollouts` times and run to its end; its value is the share
   the environment scores right. Each child keeps its best rollout (a right one first) as a whole episode the
-  search has paid for.
+  search has paid for. Or, given a PRM's `score_steps`, its value is the PRM's score of its turn.
 - **reward**: a terminal child's outcome, as the environment gave it (0 for an episode cut at a limit).
 
 A node's text is its step as a reward model reads an episode (`rollout.episode_steps`: the assistant turn, then
@@ -46,6 +46,7 @@ class _State:
     (an assistant turn and its observations, with their counts), and how it ended, where it did."""
     messages: list[Message]
     turns: list[Turn]
+    steps: list[str]  # the episode's steps so far, as a reward model reads them (the nodes' texts)
     status: str
     reward: float
     error: str | None = None
@@ -67,8 +68,8 @@ class EpisodeSearch:
     rollout."""
 
     def __init__(self, env: Any, generate: Callable[[list[list[Message]]], list[tuple]], problems: list[Problem],
-                 rollouts: int):
-        self.env, self.rollouts = env, rollouts
+                 rollouts: int, score_steps: Callable[[list[str], list[list[str]]], list[list[float]]] | None = None):
+        self.env, self.rollouts, self.score_steps = env, rollouts, score_steps
         self.runner = EpisodeRunner(generate, toolcalls.parse, env.limits)
         self.problems = {p.prompt: p for p in problems}
         if len(self.problems) != len(problems):
@@ -108,8 +109,9 @@ class EpisodeSearch:
                     continue
                 text = turn_text(new)
                 if text not in drawn:
+                    steps = (self.states[key].steps if key in self.states else []) + [text.removesuffix("\n")]
                     self.states[(key[0], key[1] + text)] = _State(
-                        rec.messages, new, rec.status, rec.reward if rec.status == "done" else 0.0, rec.error)
+                        rec.messages, new, steps, rec.status, rec.reward if rec.status == "done" else 0.0, rec.error)
                 drawn.setdefault(text, []).append(new)
             cands = [Candidate(text, 0.0, sum(t.num_tokens or 0 for new in draws for t in new if t.role == "assistant"),
                                self.states[(key[0], key[1] + text)].status != "open", weight=float(len(draws)))
@@ -118,6 +120,10 @@ class EpisodeSearch:
         return out
 
     def value(self, pairs: list[Key]) -> tuple[list[float], int]:
+        if self.score_steps is not None:  # a PRM's P(good) of the node's turn, after the turns before it
+            users = {p: next(t.content for t in self.opening[p] if t.role == "user") for p, _ in pairs}
+            scores = self.score_steps([users[p] for p, _ in pairs], [self.states[key].steps for key in pairs])
+            return [min(max(float(sc[-1]), 0.0), 1.0) for sc in scores], 0
         records = self._run(pairs, self.rollouts, max_new_turns=None)
         values, tokens = [], 0
         for i, key in enumerate(pairs):
@@ -158,13 +164,16 @@ def _first_new(rec: EpisodeRecord) -> int:
 
 def episode_mcts(env: Any, generate: Callable[[list[list[Message]]], list[tuple]], problems: list[Problem],
                  cfg: MCTSConfig, *, rollouts: int, n: int, progress: Callable[[int, int], None] | None = None,
+                 score_steps: Callable[[list[str], list[list[str]]], list[list[float]]] | None = None,
                  ) -> tuple[list[Tree], list[list[tuple[int, EpisodeRecord]]], dict[str, float]]:
     """One tree per problem, searched over turns; for each, up to `n` episodes as (node id, record): its best
     terminal leaves (`Tree.returned`), then, where fewer ended, the best rollouts of its open nodes (right ones
     first, then higher Q, then deeper), each completing its node's episode. Returns the trees, the episodes and
     the search's statistics (tokens generated, nodes, solved trees, right leaves, episodes from rollouts, and the
-    whole search's wall time in the environment and in generation)."""
-    search = EpisodeSearch(env, generate, problems, rollouts)
+    whole search's wall time in the environment and in generation). With `score_steps` (a PRM's), a node's value
+    is the PRM's score of its turn after the turns before it, with the episode's user message as the prompt, as the
+    score stage reads an episode: no rollouts."""
+    search = EpisodeSearch(env, generate, problems, rollouts, score_steps)
     trees, spent = mcts_search([p.prompt for p in problems], search.expand, search.value, search.reward, cfg,
                                progress)
     picked_all, from_rollouts = [], 0

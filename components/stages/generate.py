@@ -128,9 +128,11 @@ def _episode_mcts(spec: StageSpec, out: StageOutputWriter, env, backend, inp: In
 
     g = spec.cfg().generate
     m = g.mcts
+    prm = reward_model_of(spec, "prm", inp.search_prm_uri) if inp.search_prm_uri else None
+    source = f"the PRM {inp.search_prm_id}" if prm else f"{m.rollouts} rollouts per episode so far"
+    budget = f", {m.token_budget} tokens per problem" if m.token_budget else ""
     log("generate", f"MCTS over turns: {m.simulations} simulations, {m.expansions} draws per expansion, c_puct "
-                    f"{m.c_puct}, values from {m.rollouts} rollouts per episode so far"
-                    + (f", {m.token_budget} tokens per problem" if m.token_budget else ""))
+                    f"{m.c_puct}, values from {source}{budget}")
     if hasattr(backend, "progress"):
         backend.progress = False  # its per-call counts would interleave with the simulations', which say more
     sampler = agent_sampler(backend, inp.policy_uri, temperature=g.temperature, top_p=g.top_p,
@@ -138,7 +140,8 @@ def _episode_mcts(spec: StageSpec, out: StageOutputWriter, env, backend, inp: In
     batch, nodes, stats = search_episodes(
         env, sampler, problems, m, n=g.samples_per_problem, experiment=spec.experiment, round=spec.round,
         purpose="train", policy_model_id=inp.policy_model_id, seed=spec.seed, temperature=g.temperature,
-        top_p=g.top_p, max_new_tokens=g.max_new_tokens, progress=lambda msg: log("generate", msg))
+        top_p=g.top_p, max_new_tokens=g.max_new_tokens, progress=lambda msg: log("generate", msg),
+        score_steps=prm.score_steps if prm else None)
     dt = time.perf_counter() - t0
     write(out, **batch.tables, nodes=nodes)
     tokens = sum(t["num_tokens"] for t in batch.trajectories)

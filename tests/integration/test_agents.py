@@ -73,19 +73,21 @@ def agent_grpo(agent_run):
 
 @pytest.fixture(scope="module")
 def agent_mcts(agent_run):
-    """generate.mcts on the same environment, from agent_run's round-0 policy: one round of level 1 (which that
-    policy answers) whose episodes are the trees' best finished episodes, a node one assistant turn with what the
-    calculator answered."""
+    """generate.mcts on the same environment, from agent_run's round-0 policy, recipe coevo: two rounds of level 1
+    (which that policy answers) whose episodes are the trees' best finished episodes, a node one assistant turn with
+    what the calculator answered. Round 1 values nodes by rollouts and trains a PRM on its Monte Carlo turn labels;
+    round 2 values them by that PRM."""
     from flows.evolution import self_evolution
 
     cfg, store = agent_run
     model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
     config = REPO / "configs" / "calculator.yaml"
-    overrides = [f"workdir={cfg.workdir}", "experiment=calc-mcts", "rounds=1", f"policy.model={model}",
+    overrides = [f"workdir={cfg.workdir}", "experiment=calc-mcts", "rounds=2", "recipe=coevo", f"policy.model={model}",
                  "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
                  "bootstrap.problems_per_level=60", "generate.problems_per_level=4", "generate.samples_per_problem=2",
                  "domain.options={test_size: 40, max_level: 1}",
-                 "generate.mcts={simulations: 4, expansions: 3, rollouts: 1}",
+                 "generate.mcts={simulations: 4, expansions: 3, rollouts: 1, value: prm}",
+                 "score.mc_rollouts=2", "score.reward_model=prm", "train_reward.enabled=true", "train_reward.steps=10",
                  "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1"]
     self_evolution(config_path=str(config), overrides=overrides)
     mcts = load_config(config, overrides)
@@ -124,8 +126,8 @@ def test_mcts_searches_over_turns_and_its_episodes_are_the_trees_paths(agent_mct
                                 "'%[tool:calculate] %'", [cfg.experiment])
     assert tool_turns[0][0] > 0  # turns that called the calculator carry what it returned
     _, paths = store.query(PATHS, [cfg.experiment])
-    _, stored = store.query("SELECT trajectory_id FROM trajectories WHERE experiment_id = ? AND round = 1 AND "
-                            "purpose = 'train'", [cfg.experiment])
+    _, stored = store.query("SELECT trajectory_id FROM trajectories WHERE experiment_id = ? AND purpose = 'train'",
+                            [cfg.experiment])  # both rounds' episodes
     assert sorted(p[0] for p in paths) == sorted(t for t, in stored)
     for tid, terminal, reward, text, completion, correct in paths:
         if terminal:
@@ -133,17 +135,43 @@ def test_mcts_searches_over_turns_and_its_episodes_are_the_trees_paths(agent_mct
         else:  # its rollout went on from the node's last turn
             assert (completion + "\n").startswith(text) and len(completion) + 1 > len(text), tid
     gen = json.loads(store.committed_run(cfg.experiment, 1, "generate")["metrics_json"])
-    print(f"{len(trees)} trees, {sum(t[1] for t in trees)} nodes, {gen['trajectories']:.0f} episodes "
-          f"({gen['search_from_rollouts']:.0f} from rollouts, {sum(bool(p[5]) for p in paths)} right); "
-          f"{gen['search_generated_tokens']:.0f} tokens searched, {gen['tokens']:.0f} kept")
+    print(f"round 1: {len(trees)} trees, {sum(t[1] for t in trees)} nodes, {gen['trajectories']:.0f} episodes "
+          f"({gen['search_from_rollouts']:.0f} from rollouts), {gen['search_generated_tokens']:.0f} tokens searched, "
+          f"{gen['tokens']:.0f} kept; both rounds: {len(paths)} episodes, {sum(bool(p[5]) for p in paths)} right")
     assert gen["search_generated_tokens"] == gen["tokens"] + gen["search_discarded_tokens"] > gen["tokens"]
-    assert gen["agent_episodes"] == gen["trajectories"] == len(paths) and gen["search_replay_mismatches"] == 0
+    assert gen["agent_episodes"] == gen["trajectories"] and gen["search_replay_mismatches"] == 0
     # the episodes are any episode's: sampled ids on every assistant turn, and the round trained on them
     _, no_ids = store.query("SELECT count(*) FROM turns u JOIN trajectories t USING (trajectory_id) WHERE "
                             "t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' AND u.role = 'assistant' "
                             "AND u.token_ids IS NULL", [cfg.experiment])
     assert no_ids[0][0] == 0
     assert json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])["steps"] == 2
+
+
+def test_round_two_values_each_turn_by_round_ones_prm_as_it_reads_a_stored_episode(agent_mcts):
+    """value: prm. Round 2's nodes are valued by round 1's PRM, no rollout generated; each value is that PRM's
+    score of the node's turn after the turns before it, recomputed here from the tree in SQL and the PRM."""
+    from components.rewards.prm import PRMScorer
+
+    cfg, store = agent_mcts
+    gen = json.loads(store.committed_run(cfg.experiment, 2, "generate")["metrics_json"])
+    _, spent = store.query("SELECT sum(tokens) FROM nodes WHERE experiment_id = ? AND round = 2", [cfg.experiment])
+    assert gen["search_generated_tokens"] == spent[0][0] > 0  # the draws alone: no rollout
+    prm = store.committed_model(cfg.experiment, 1, "prm")
+    _, rows = store.query(
+        "WITH RECURSIVE up AS (SELECT tree_id, node_id AS leaf, value, node_id, parent_id, [step_text] AS steps "
+        "FROM nodes WHERE experiment_id = ? AND round = 2 AND NOT terminal AND depth > 0 "
+        "UNION ALL SELECT up.tree_id, up.leaf, up.value, n.node_id, n.parent_id, list_prepend(n.step_text, up.steps) "
+        "FROM up JOIN nodes n ON n.tree_id = up.tree_id AND n.node_id = up.parent_id) "
+        "SELECT DISTINCT up.tree_id, up.leaf, up.value, up.steps[2:], p.prompt FROM up "
+        "JOIN nodes r ON r.tree_id = up.tree_id AND r.node_id = 0 "
+        "JOIN problems p ON p.problem_id = r.problem_id WHERE up.parent_id IS NULL", [cfg.experiment])
+    assert rows
+    scores = PRMScorer(prm["uri"], prompt_format="chat").score_steps(
+        [prompt for *_, prompt in rows], [[s.removesuffix("\n") for s in steps] for _, _, _, steps, _ in rows])
+    gaps = [abs(value - sc[-1]) for (_, _, value, _, _), sc in zip(rows, scores)]
+    print(f"round 2: {len(rows)} nodes valued by {prm['model_id']}, largest gap to its scores {max(gaps):.1e}")
+    assert max(gaps) < 1e-4
 
 
 def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(agent_grpo):

@@ -221,10 +221,9 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | coevo | orm).train_reward.orm  # the ORM reads an episode's transcript
     with pytest.raises(ConfigError, match="does not support generate.search yet"):
         load_config_dict(base | {"generate": {"search": {}}})
-    # MCTS over turns, valued by rollouts; a PRM's values over turns are not wired yet.
+    # MCTS over turns, valued by rollouts or by the previous round's PRM
     assert load_config_dict(base | {"generate": {"mcts": {"simulations": 4}}}).generate.mcts.simulations == 4
-    with pytest.raises(ConfigError, match="does not support generate.mcts.value=prm yet"):
-        load_config_dict(base | coevo | {"generate": {"mcts": {"value": "prm"}}})
+    assert load_config_dict(base | coevo | {"generate": {"mcts": {"value": "prm"}}}).generate.mcts.value == "prm"
     with pytest.raises(ConfigError, match="does not support filter.check_steps yet"):
         load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
                                          "filter": {"check_steps": True}})

@@ -86,3 +86,33 @@ def test_the_search_branches_on_turns_values_them_by_rollouts_and_returns_the_ri
     assert stats["solved"] == 2 and stats["right_leaves"] == 2 and stats["from_rollouts"] == 2
     tokens = sum(n.tokens for t in trees for n in t.nodes)
     assert stats["generated_tokens"] > tokens  # the rollouts' tokens count too
+
+
+def test_a_prms_values_replace_the_rollouts_and_it_reads_each_node_as_the_score_stage_reads_an_episode(env):
+    """With a PRM's score_steps, a new node is valued by the PRM's score of its turn after the turns before it, the
+    user message as the prompt: what the score stage hands the same PRM for a stored episode. No rollout runs."""
+    from components.envs.rollout import episode_steps
+
+    problems = env.sample_problems(3, 2, seed=0)
+    seen: list[tuple[str, list[str]]] = []
+
+    def score_steps(prompts, steps):
+        seen.extend(zip(prompts, steps))
+        # P(good) of each step: high where it read the calculator's answer to the problem
+        return [[0.9 if any(f"] {p.answer}" in s for p in problems) else 0.2 for s in st] for st in steps]
+
+    calls: list[int] = []
+    trees, episodes, stats = episode_mcts(env, branching(calls), problems, MCTSConfig(simulations=3, expansions=2),
+                                          rollouts=2, n=1, score_steps=score_steps)
+    assert calls == [4, 4]  # the roots' draws, then the better children's: no rollout batch between them
+    assert stats["generated_tokens"] == sum(n.tokens for t in trees for n in t.nodes)
+    for p, tree, [(node_id, rec)] in zip(problems, trees, episodes):
+        kids = sorted((tree.nodes[c] for c in tree.nodes[0].children), key=lambda k: -k.value)
+        assert [k.value for k in kids] == [0.9, 0.2]
+        assert rec.reward == 1.0 and tree.nodes[node_id].parent_id == kids[0].node_id
+        rows = episode_rows(rec, experiment="e", round=1, purpose="train", policy_model_id=None, sample_index=0,
+                            temperature=1.0, top_p=1.0, max_new_tokens=8, seed=0, verifier="calculator.score",
+                            verifier_version="1", answer=env.extract_answer)
+        stored = episode_steps(rows["turns"])[rows["trajectories"][0]["trajectory_id"]]
+        # the PRM read the right call's node as the score stage reads the stored episode's first step
+        assert (p.prompt, stored[:1]) in seen and rows["trajectories"][0]["prompt"] == p.prompt
