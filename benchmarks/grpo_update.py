@@ -17,7 +17,8 @@ learning rate, no warmup, as a grpo round does:
 - `grpo-cosine`: `grpo` with the learning rate decayed to 0 over the round's steps (`lr_scheduler: cosine`);
 - `sft`: coevo's SFT trainer (`train_sft`, as rft trains) on the same right rollouts' text, batches of 16;
 - `sft-refs`: the same trainer on the domain's reference solutions to the round's problems: any update of this
-  size, on data that is all correct.
+  size, on data that is all correct;
+- `sft-refs-cosine`: `sft-refs` with the rate decayed to 0 over the steps, as rft's rounds train.
 
 Each arm runs at every `--learning-rates`. Per arm: optimizer steps, `policy_shift` (grpo arms), the sampled reward on
 the round's own prompts (new samples), and greedy accuracy by level on `--eval-per-level` problems of levels 1 to 3
@@ -54,7 +55,7 @@ GRPO_ARMS = {
     "grpo-kl": (lambda a, right: a, 0.1, "constant"),
     "grpo-cosine": (lambda a, right: a, 0.0, "cosine"),
 }
-SFT_ARMS = ("sft", "sft-refs")
+SFT_ARMS = {"sft": "constant", "sft-refs": "constant", "sft-refs-cosine": "cosine"}
 
 
 def main() -> None:
@@ -103,6 +104,7 @@ def main() -> None:
     steps = n_groups * args.passes // GROUPS_PER_STEP
     sft_data = {"sft": [{"prompt": r["prompt"], "completion": r["text"]} for r in kept if r["outcome"] > 0],
                 "sft-refs": [{"prompt": p.prompt, "completion": d.reference_solution(p)} for p in train]}
+    sft_data["sft-refs-cosine"] = sft_data["sft-refs"]
     before = measure(args.model)
     print(f"{len(rollouts)} rollouts, {len(kept)} in {n_groups} groups that differ "
           f"({sum(r['outcome'] for r in kept):.0f} right); {steps} optimizer steps an arm; greedy accuracy on "
@@ -114,7 +116,7 @@ def main() -> None:
             out = f"{args.work}/{name}-lr{lr:g}"
             if name in SFT_ARMS:
                 m = train_sft(args.model, sft_data[name], out, SFTParams(
-                    max_steps=steps, batch_size=16, learning_rate=lr, warmup_ratio=0.0, lr_scheduler="constant",
+                    max_steps=steps, batch_size=16, learning_rate=lr, warmup_ratio=0.0, lr_scheduler=SFT_ARMS[name],
                     logging_steps=1000))
                 m |= {"clip_ratio": float("nan"), "policy_shift": float("nan")}
             else:
