@@ -20,7 +20,7 @@ each observation marked with its role and tool) plus a newline, so a node's pref
 far and the store's `nodes.step_text` shows the turn. The K draws of every leaf of a simulation step in one batch,
 every tree's, as the agent loop batches its episodes.
 
-The episodes handed back (`episode_records`) are each tree's best terminal leaves, then where fewer ended, the
+The episodes `episode_mcts` hands back are each tree's best terminal leaves, then, where fewer ended, the
 rollouts of its open nodes: each an `EpisodeRecord` whose assistant turns carry the ids they were sampled with and
 their own token counts, so the store, the verifier and the trainers read them as any episode.
 """
@@ -97,16 +97,15 @@ class EpisodeSearch:
         for i, key in enumerate(pairs):
             drawn: dict[str, list[list[Turn]]] = {}  # a child's text -> the new turns of each draw that gave it
             for rec in records[i * k:(i + 1) * k]:
-                if key in self.states:
-                    start = len(self.states[key].messages)
-                else:  # the root: the turns before the first assistant turn are the problem's opening
-                    start = _first_new(rec)
-                    self.opening.setdefault(key[0], rec.turns[:start])
+                # the root's episode starts fresh: the turns before its first assistant turn are the problem's opening
+                start = len(self.states[key].messages) if key in self.states else _first_new(rec)
                 new = rec.turns[start:]
                 if not new:  # the context was full, or the environment failed on reset or replay: nothing drawn
                     if key in self.states:
                         self.states[key].status, self.states[key].error = rec.status, rec.error
                     continue
+                if key not in self.states:
+                    self.opening.setdefault(key[0], rec.turns[:start])
                 text = turn_text(new)
                 if text not in drawn:
                     steps = (self.states[key].steps if key in self.states else []) + [text.removesuffix("\n")]

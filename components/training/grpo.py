@@ -50,7 +50,7 @@ class GRPOParams:
     groups_per_step: int = 4             # groups per optimizer step (one group per forward pass)
     num_iterations: int = 1              # passes over the round's rollouts (GRPO's mu)
     learning_rate: float = 1e-5
-    lr_scheduler: str = "constant"       # constant | cosine | linear: over the round's steps, to 0 but constant
+    lr_scheduler: str = "constant"       # constant, or cosine | linear: decayed to 0 over the round's steps
     loss_type: str = "dapo"              # grpo | dr_grpo | dapo | bnpo (TRL's)
     beta: float = 0.0                    # KL to the reference; 0: no reference is loaded
     epsilon: float = 0.2                 # the ratio's clip, low side (and high side without epsilon_high)
