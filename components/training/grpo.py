@@ -76,7 +76,8 @@ class GRPOParams:
         if self.groups_per_step < 1 or self.num_iterations < 1 or self.logging_steps < 1:
             raise ValueError(f"{where}: groups_per_step, num_iterations and logging_steps must be >= 1")
         if self.lr_scheduler not in LR_SCHEDULERS:
-            raise ValueError(f"{where}.lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}; got {self.lr_scheduler!r}")
+            raise ValueError(f"{where}.lr_scheduler must be one of {', '.join(LR_SCHEDULERS)}; "
+                             f"got {self.lr_scheduler!r}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"{where}.loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
         if not self.learning_rate > 0 or not self.beta >= 0 or not self.epsilon > 0 or not self.temperature > 0:
