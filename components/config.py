@@ -796,14 +796,14 @@ class ExperimentConfig(_Section):
         unsupported = {"filter.step_dpo_pairs": self.filter.step_dpo_pairs,
                        f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
                        "generate.search": self.generate.search is not None,
-                       "score.tree": self.score.tree is not None,
+                       "score.tree.search": self.score.tree is not None and self.score.tree.search is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps,
                        "evaluate.search": self.evaluate.search is not None}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet; MCTS over turns "
-                             "(generate.mcts), Monte Carlo turn labels (score.mc_rollouts, "
+                             "(generate.mcts, and score.tree on its trees), Monte Carlo turn labels (score.mc_rollouts, "
                              "mc_strategy every_prefix or first_error), the PRM, the implicit PRM, the ORM, best-of-N, "
                              "DPO on episodes and grpo's step credit work")
 

@@ -75,8 +75,8 @@ def agent_grpo(agent_run):
 def agent_mcts(agent_run):
     """generate.mcts on the same environment, from agent_run's round-0 policy, recipe coevo: two rounds of level 1
     (which that policy answers) whose episodes are the trees' best finished episodes, a node one assistant turn with
-    what the calculator answered. Round 1 values nodes by rollouts and trains a PRM on its Monte Carlo turn labels;
-    round 2 values them by that PRM."""
+    what the calculator answered. Round 1 values nodes by rollouts and trains a PRM on the labels its tree gives each
+    turn (score.tree, tree_hard); round 2 values them by that PRM."""
     from flows.evolution import self_evolution
 
     cfg, store = agent_run
@@ -87,7 +87,8 @@ def agent_mcts(agent_run):
                  "bootstrap.problems_per_level=60", "generate.problems_per_level=4", "generate.samples_per_problem=2",
                  "domain.options={test_size: 40, max_level: 1}",
                  "generate.mcts={simulations: 4, expansions: 3, rollouts: 1, value: prm}",
-                 "score.mc_rollouts=2", "score.reward_model=prm", "train_reward.enabled=true", "train_reward.steps=10",
+                 "score.tree={pair_margin: 0.25}", "score.reward_model=prm", "train_reward.enabled=true",
+                 "train_reward.label_source=tree_hard", "train_reward.steps=10",
                  "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1"]
     self_evolution(config_path=str(config), overrides=overrides)
     mcts = load_config(config, overrides)
@@ -146,6 +147,28 @@ def test_mcts_searches_over_turns_and_its_episodes_are_the_trees_paths(agent_mct
                             "AND u.token_ids IS NULL", [cfg.experiment])
     assert no_ids[0][0] == 0
     assert json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])["steps"] == 2
+
+
+def test_the_tree_labels_each_turn_of_its_episodes_and_the_prm_trains_on_them(agent_mcts):
+    """score.tree on turn trees: each episode's steps are its path's nodes, so every assistant turn gets its node's
+    tree_hard label, none misaligned; round 1's PRM trains on those labels."""
+    cfg, store = agent_mcts
+    score = json.loads(store.committed_run(cfg.experiment, 1, "score")["metrics_json"])
+    _, rows = store.query(
+        "SELECT t.trajectory_id, (SELECT count(*) FROM steps s WHERE s.trajectory_id = t.trajectory_id), "
+        "count(l.step_index) FILTER (WHERE l.source = 'tree_hard') FROM trajectories t LEFT JOIN step_labels l "
+        "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' GROUP BY ALL",
+        [cfg.experiment])
+    print(f"round 1 tree labels: {score['tree_labelled_trajectories']:.0f} episodes, {score['tree_tree_steps']:.0f} "
+          f"turns from nodes, {score['tree_rollout_steps']:.0f} from a rollout, {score['tree_misaligned']:.0f} "
+          f"misaligned, {score['tree_unsolved']:.0f} unsolved, {score['tree_pairs']:.0f} pairs")
+    assert score["tree_misaligned"] == 0 and score["tree_labelled_trajectories"] == len(rows) > 0
+    # every turn labelled, but in a tree with no right episode known, where only a wrong episode's last turn is
+    full = [r for r in rows if r[1] == r[2]]
+    assert full and all(labelled == 1 for _, _, labelled in set(rows) - set(full)), rows
+    assert len(rows) - len(full) <= score["tree_unsolved"]
+    prm = json.loads(store.committed_run(cfg.experiment, 1, "train_reward")["metrics_json"])
+    assert prm["prm_steps"] == 10 and prm["prm_labelled_steps"] == sum(labelled for *_, labelled in rows)
 
 
 def test_round_two_values_each_turn_by_round_ones_prm_as_it_reads_a_stored_episode(agent_mcts):

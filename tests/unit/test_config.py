@@ -224,6 +224,10 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     # MCTS over turns, valued by rollouts or by the previous round's PRM
     assert load_config_dict(base | {"generate": {"mcts": {"simulations": 4}}}).generate.mcts.simulations == 4
     assert load_config_dict(base | coevo | {"generate": {"mcts": {"value": "prm"}}}).generate.mcts.value == "prm"
+    tree = {"generate": {"mcts": {}}, "score": {"tree": {"pair_margin": 0.25}}}
+    assert load_config_dict(base | tree).score.tree.pair_margin == 0.25  # labels from generate's turn trees
+    with pytest.raises(ConfigError, match="does not support score.tree.search yet"):
+        load_config_dict(base | {"score": {"tree": {"search": {"simulations": 4}}}})
     with pytest.raises(ConfigError, match="does not support filter.check_steps yet"):
         load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
                                          "filter": {"check_steps": True}})
