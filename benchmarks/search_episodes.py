@@ -57,7 +57,7 @@ def main() -> None:
         batch, _ = run_episodes(env, sampler(), problems, n=args.n, experiment="bench", round=1, purpose="train",
                                 policy_model_id=None, seed=0)
         plain_s = time.perf_counter() - t0
-        right = [r.problem.problem_id for r in batch.records if r.status == "done" and r.reward >= 1.0]
+        right = [r.problem.problem_id for r in batch.records if r.right]
         plain = {"episodes": len(batch.records), "right": len(right), "solved": len(set(right)),
                  "tokens": sum(t["num_tokens"] for t in batch.trajectories), "seconds": plain_s}
         t0 = time.perf_counter()
@@ -65,7 +65,7 @@ def main() -> None:
         _, picked, stats = episode_mcts(env, sampler(), problems, cfg, rollouts=args.rollouts, n=args.n)
         mcts_s = time.perf_counter() - t0
         eps = [rec for got in picked for _, rec in got]
-        right = [r.problem.problem_id for r in eps if r.status == "done" and r.reward >= 1.0]
+        right = [r.problem.problem_id for r in eps if r.right]
         mcts = {"episodes": len(eps), "right": len(right), "solved": len(set(right)),
                 "tokens": stats["generated_tokens"], "seconds": mcts_s, "nodes": stats["nodes"]}
         rows.append({"level": level, "problems": len(problems), "plain": plain, "mcts": mcts})

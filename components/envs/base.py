@@ -191,6 +191,11 @@ class EpisodeRecord:
     replay_mismatch: bool = False  # resumed from a stored prefix that the environment answered otherwise
     replay_done: bool = False  # ... and that the environment ended while it was replayed
 
+    @property
+    def right(self) -> bool:
+        """It answered, and the environment scored the answer right."""
+        return self.status == "done" and self.reward >= 1.0
+
 
 class EpisodeRunner:
     """Drives many episodes at once: every live episode's next assistant turn is generated in one batch.

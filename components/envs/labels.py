@@ -137,7 +137,7 @@ def _go_on(env: Any, generate: Any, slots: dict[tuple, tuple[Any, list[Message]]
         [(problem, env.episode(problem)) for problem, _ in runs], prefixes=[prefix for _, prefix in runs])
     outcomes: dict[tuple, list[bool]] = {key: [] for key in order}
     for (problem, prefix), rec in zip(runs, records, strict=True):
-        outcomes[_key(problem.problem_id, prefix)].append(rec.status == "done" and rec.reward >= 1.0)
+        outcomes[_key(problem.problem_id, prefix)].append(rec.right)
     stats["unique_prefixes"] += len(order)
     stats["rollouts"] += len(runs)
     # a resumed episode's stored turns carry no token count: these are the continuations' own

@@ -49,6 +49,17 @@ class EpisodeBatch:
             self.tables[name] += [r for r in tables.get(name, []) if name != "problems" or r["problem_id"] not in seen]
             seen |= {r["problem_id"] for r in tables.get(name, []) if name == "problems"}
 
+    def add_episode(self, env: Any, record: EpisodeRecord, sample_index: int, **meta: Any) -> str:
+        """The episode's rows (`episode_rows`, verified by the environment's `score`), its reward and record; its
+        trajectory id. `meta`: experiment, round, purpose, policy_model_id, temperature, top_p, max_new_tokens, seed."""
+        rows = episode_rows(record, sample_index=sample_index, verifier=f"{env.name}.score", verifier_version="1",
+                            answer=env.extract_answer, **meta)
+        self.add(rows)
+        tid = rows["trajectories"][0]["trajectory_id"]
+        self.rewards[tid] = record.reward
+        self.records.append(record)
+        return tid
+
     def extend(self, other: EpisodeBatch) -> None:
         self.add(other.tables)
         self.rewards |= other.rewards
@@ -63,14 +74,11 @@ def run_episodes(env: Any, generate: Any, problems: list[Problem], *, n: int, ex
     environment and in generation)."""
     episodes = [(p, env.episode(p)) for p in problems for _ in range(n)]
     records = EpisodeRunner(generate, toolcalls.parse, env.limits).run(episodes)
-    batch = EpisodeBatch(records=records)
+    batch = EpisodeBatch()
+    meta = dict(experiment=experiment, round=round, purpose=purpose, policy_model_id=policy_model_id,
+                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     for k, rec in enumerate(records):
-        rows = episode_rows(rec, experiment=experiment, round=round, purpose=purpose, policy_model_id=policy_model_id,
-                            sample_index=first_sample_index + k % n, temperature=temperature, top_p=top_p,
-                            max_new_tokens=max_new_tokens, seed=seed, verifier=f"{env.name}.score",
-                            verifier_version="1", answer=env.extract_answer)
-        batch.add(rows)
-        batch.rewards[rows["trajectories"][0]["trajectory_id"]] = rec.reward
+        batch.add_episode(env, rec, first_sample_index + k % n, **meta)
     return batch, episode_stats(records)
 
 
@@ -96,17 +104,10 @@ def search_episodes(env: Any, generate: Any, problems: list[Problem], search: An
     trees, picked, stats = episode_mcts(env, generate, problems, cfg, rollouts=search.rollouts, n=n, progress=report,
                                         score_steps=score_steps)
     batch, nodes = EpisodeBatch(), []
+    meta = dict(experiment=experiment, round=round, purpose=purpose, policy_model_id=policy_model_id,
+                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     for p, tree, episodes in zip(problems, trees, picked, strict=True):
-        became: dict[int, str] = {}
-        for idx, (node_id, rec) in enumerate(episodes):
-            rows = episode_rows(rec, experiment=experiment, round=round, purpose=purpose,
-                                policy_model_id=policy_model_id, sample_index=idx, temperature=temperature,
-                                top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, verifier=f"{env.name}.score",
-                                verifier_version="1", answer=env.extract_answer)
-            batch.add(rows)
-            tid = became[node_id] = rows["trajectories"][0]["trajectory_id"]
-            batch.rewards[tid] = rec.reward
-            batch.records.append(rec)
+        became = {node_id: batch.add_episode(env, rec, idx, **meta) for idx, (node_id, rec) in enumerate(episodes)}
         nodes += [{"tree_id": search_tree_id(experiment, round, purpose, p.problem_id), "experiment_id": experiment,
                    "round": round, "purpose": purpose, "problem_id": p.problem_id} | row
                   | {"trajectory_id": became.get(row["node_id"])} for row in node_rows(tree)]

@@ -127,7 +127,7 @@ class EpisodeSearch:
         values, tokens = [], 0
         for i, key in enumerate(pairs):
             done = records[i * self.rollouts:(i + 1) * self.rollouts]
-            right = [r.status == "done" and r.reward >= 1.0 for r in done]
+            right = [r.right for r in done]
             values.append(sum(right) / len(done))
             base = len(self.states[key].messages)
             tokens += sum(t.num_tokens or 0 for r in done for t in r.turns[base:] if t.role == "assistant")
@@ -183,7 +183,7 @@ def episode_mcts(env: Any, generate: Callable[[list[list[Message]]], list[tuple]
         open_ = [(x, search.completions.get((tree.prompt, tree.prefix(x.node_id)))) for x in tree.nodes[1:]
                  if not x.terminal]
         rolled = sorted(((x, r) for x, r in open_ if r is not None),
-                        key=lambda xr: (-(xr[1].status == "done" and xr[1].reward >= 1.0), -(xr[0].q or 0.0),
+                        key=lambda xr: (-xr[1].right, -(xr[0].q or 0.0),
                                         -xr[0].depth, xr[0].node_id))
         for x, r in rolled:
             if len(picked) >= n:
