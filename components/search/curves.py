@@ -28,15 +28,51 @@ from components.seeding import seed_stream
 MCTS_SIMULATIONS = 256  # a cap only: the token budget stops the search first
 
 
+class TextSearches:
+    """The searches' callbacks on a text domain, fresh per budget (`at(k)`): K candidate steps from the backend,
+    the PRM's value of a prefix, and `finish`, which completes each prefix that did not end greedily and verifies
+    it."""
+
+    def __init__(self, domain: Domain, backend: GenerationBackend, problems: list[Problem],
+                 score_steps: Callable[[list[str], list[list[str]]], list[list[float]]], *, temperature: float,
+                 max_step_tokens: int, max_new_tokens: int, seed: int):
+        self.domain, self.backend, self.seed = domain, backend, seed
+        self.answers = {p.prompt: p.answer for p in problems}
+        self.temperature, self.max_step_tokens, self.max_new_tokens = temperature, max_step_tokens, max_new_tokens
+        self.value = prm_value(domain, score_steps)
+
+    def at(self, k: int) -> TextSearches:
+        self.calls = _Calls(seed_stream(self.seed, 1000 + k))
+        self.expand = backend_expander(self.domain, self.backend, self.calls, temperature=self.temperature,
+                                       top_p=1.0, max_step_tokens=self.max_step_tokens)
+        return self
+
+    def finish(self, keys: list[tuple[str, str]], ended: list[bool]) -> tuple[list[bool], int]:
+        """Each (prompt, prefix) that did not end completed greedily (a search cut by its budget still answers),
+        then each verified against its problem's answer; and the tokens the completions took."""
+        done, spent = [prefix for _, prefix in keys], 0
+        todo = [i for i, e in enumerate(ended) if not e]
+        if todo:
+            outs = self.backend.generate([keys[i][0] + keys[i][1] for i in todo], n=1, temperature=0.0, top_p=1.0,
+                                         max_new_tokens=self.max_new_tokens, seed=self.calls.next())
+            for i, o in zip(todo, outs):
+                done[i] += o[0].text
+            spent = sum(o[0].num_tokens for o in outs)
+        scores = self.domain.verify(done, [self.answers[p] for p, _ in keys])  # one call for all, as `verify` takes
+        return [s == 1.0 for s in scores], spent
+
+
 def compute_curve(domain: Domain, backend: GenerationBackend, problems: list[Problem],
                   samples: dict[str, list[dict[str, Any]]], correct: dict[str, bool], prm_min: dict[str, float] | None,
                   score_steps: Callable[[list[str], list[list[str]]], list[list[float]]] | None, *,
                   budgets: Sequence[int], methods: Sequence[str], expansions: int, max_step_tokens: int,
                   max_depth: int, c_puct: float, temperature: float, max_new_tokens: int, seed: int,
-                  progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                  progress: Callable[[str], None] | None = None, searches: Any = None) -> list[dict[str, Any]]:
     """Points {method, budget, tokens (per problem), accuracy, n}. `samples[problem_id]` are the evaluation's
     trajectories of a problem, greedy first (sample_index 0); `prm_min` their PRM scores (the weakest step's), for
-    best-of-N; `score_steps` the PRM that guides beam search and MCTS (None: no searches)."""
+    best-of-N; `score_steps` the PRM that guides beam search and MCTS (None: no searches). `searches` replaces the
+    text domain's callbacks (`TextSearches`) with another's of the same shape: an environment's turns
+    (`episodes.EpisodeSearches`)."""
     from components import reward_eval as re_
 
     say = progress or (lambda _msg: None)
@@ -59,44 +95,27 @@ def compute_curve(domain: Domain, backend: GenerationBackend, problems: list[Pro
     if score_steps is None or not methods:
         return points
     prompts = [p.prompt for p in problems]
-    value = prm_value(domain, score_steps)
-
-    def finished(prefixes: list[str], ended: list[bool], call_seed: int) -> tuple[list[str], int]:
-        """Each prefix that did not end, completed greedily (a search cut by its budget still answers)."""
-        todo = [i for i, e in enumerate(ended) if not e]
-        if not todo:
-            return prefixes, 0
-        outs = backend.generate([prompts[i] + prefixes[i] for i in todo], n=1, temperature=0.0, top_p=1.0,
-                                max_new_tokens=max_new_tokens, seed=call_seed)
-        done = list(prefixes)
-        for i, o in zip(todo, outs):
-            done[i] += o[0].text
-        return done, sum(o[0].num_tokens for o in outs)
-
-    def verified(solutions: list[str]) -> float:
-        scores = domain.verify(solutions, [p.answer for p in problems])  # one call for all, as `verify` takes
-        return sum(float(s == 1.0) for s in scores) / n
-
+    searches = searches or TextSearches(domain, backend, problems, score_steps, temperature=temperature,
+                                        max_step_tokens=max_step_tokens, max_new_tokens=max_new_tokens, seed=seed)
     for k, b in enumerate(budgets):
-        calls = _Calls(seed_stream(seed, 1000 + k))
-        expand = backend_expander(domain, backend, calls, temperature=temperature, top_p=1.0,
-                                  max_step_tokens=max_step_tokens)
+        s = searches.at(k)
         if "beam" in methods:
-            beams, spent = beam_search(prompts, expand, value, width=b, expansions=expansions, max_depth=max_depth)
-            best, more = finished([bs[0].prefix if bs else "" for bs in beams],
-                                  [bool(bs) and bs[0].terminal for bs in beams], calls.next())
+            beams, spent = beam_search(prompts, s.expand, s.value, width=b, expansions=expansions,
+                                       max_depth=max_depth)
+            right, more = s.finish([(p, bs[0].prefix if bs else "") for p, bs in zip(prompts, beams)],
+                                   [bool(bs) and bs[0].terminal for bs in beams])
             spent += more
-            points.append({"method": "beam", "budget": b, "tokens": spent / n, "accuracy": verified(best), "n": n})
+            points.append({"method": "beam", "budget": b, "tokens": spent / n, "accuracy": sum(right) / n, "n": n})
             say(f"beam width {b}: {spent / n:.0f} tokens per problem, accuracy {points[-1]['accuracy']:.3f}")
         if "mcts" in methods:
             cfg = MCTSConfig(simulations=MCTS_SIMULATIONS, expansions=expansions, c_puct=c_puct, max_depth=max_depth,
                              token_budget=max(int(tokens_at[b] * n), 1))
-            trees, spent = mcts_search(prompts, expand, value, lambda pairs: value(pairs)[0], cfg)
+            trees, spent = mcts_search(prompts, s.expand, s.value, lambda pairs: s.value(pairs)[0], cfg)
             leaves = [t.best_leaf() for t in trees]
-            best, more = finished([t.prefix(x.node_id) for t, x in zip(trees, leaves)], [x.terminal for x in leaves],
-                                  calls.next())
+            right, more = s.finish([(t.prompt, t.prefix(x.node_id)) for t, x in zip(trees, leaves)],
+                                   [x.terminal for x in leaves])
             spent += more
-            points.append({"method": "mcts", "budget": b, "tokens": spent / n, "accuracy": verified(best), "n": n})
+            points.append({"method": "mcts", "budget": b, "tokens": spent / n, "accuracy": sum(right) / n, "n": n})
             say(f"mcts at {tokens_at[b]:.0f} tokens per problem: {spent / n:.0f} spent, accuracy "
                 f"{points[-1]['accuracy']:.3f}")
     return points

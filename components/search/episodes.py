@@ -142,8 +142,22 @@ class EpisodeSearch:
         """The episode that ends at `node_id` (or, with `rollout`, that the node's rollout completed): the opening
         turns, then each node's turns along the path, then the rollout's own, reindexed in order."""
         path = tree.path(node_id)[1:]
-        keys = [(tree.prompt, tree.prefix(n.node_id)) for n in path]
-        turns = list(self.opening[tree.prompt])
+        return self.episode(tree.prompt, [(tree.prompt, tree.prefix(n.node_id)) for n in path], rollout)
+
+    def path(self, key: Key) -> list[Key]:
+        """The keys from the root's first turn down to `key`, whose state knows its steps."""
+        steps, prefix, out = self.states[key].steps, "", []
+        for step in steps:
+            prefix += step + "\n"
+            out.append((key[0], prefix))
+        if out[-1] != key:
+            raise ValueError(f"EpisodeSearch.path: {key[1]!r} is not its own steps' transcript")
+        return out
+
+    def episode(self, prompt: str, keys: list[Key], rollout: EpisodeRecord | None = None) -> EpisodeRecord:
+        """The episode along `keys` (a path of turns from the root, as `path` gives), completed by `rollout` where
+        one went on from its last."""
+        turns = list(self.opening[prompt])
         for key in keys:
             turns += self.states[key].turns
         end = self.states[keys[-1]]  # the root is never an episode: a node at depth >= 1
@@ -153,7 +167,7 @@ class EpisodeSearch:
         else:
             messages, status, reward, error = end.messages, end.status, end.reward, end.error
         turns = [replace(t, turn_index=i) for i, t in enumerate(turns)]
-        return EpisodeRecord(self.problems[tree.prompt], list(messages), turns, reward, status, error)
+        return EpisodeRecord(self.problems[prompt], list(messages), turns, reward, status, error)
 
 
 def _first_new(rec: EpisodeRecord) -> int:
@@ -201,3 +215,127 @@ def episode_mcts(env: Any, generate: Callable[[list[list[Message]]], list[tuple]
              "from_rollouts": from_rollouts, "replay_mismatches": search.replay_mismatches,
              "env_seconds": search.env_s, "gen_seconds": search.gen_s}
     return trees, picked_all, stats
+
+
+class EpisodeSearches:
+    """`curves.compute_curve`'s searches over an environment's turns, fresh per budget (`at(k)`): a node is a turn
+    (`EpisodeSearch.expand`, `evaluate.search.expansions` draws), valued by the round's PRM as the score stage
+    reads an episode, never by the environment's verdict. `finish` runs each best episode that did not end on to
+    its end greedily, then takes the environment's verdict, as verify would.
+
+    `sampler(temperature, seed)` makes the agent loop's policy (`stages.base.agent_sampler`): at `temperature` for
+    the draws, with each budget's own seed, and greedy to finish."""
+
+    def __init__(self, env: Any, sampler: Callable[[float, int], Callable[[list[list[Message]]], list[tuple]]],
+                 problems: list[Problem], score_steps: Callable[[list[str], list[list[str]]], list[list[float]]], *,
+                 temperature: float, seed: int):
+        self.env, self.sampler, self.problems, self.score_steps = env, sampler, problems, score_steps
+        self.temperature, self.seed = temperature, seed
+
+    def at(self, k: int) -> EpisodeSearches:
+        from components.seeding import seed_stream
+
+        self._seed = seed_stream(self.seed, 1000 + k)
+        self.search = EpisodeSearch(self.env, self.sampler(self.temperature, self._seed), self.problems, 1,
+                                    self.score_steps)
+        self.expand, self.value = self.search.expand, self.search.value
+        return self
+
+    def finish(self, keys: list[Key], ended: list[bool]) -> tuple[list[bool], int]:
+        """Whether each (prompt, prefix)'s episode answered right, run on greedily where it had not ended; and the
+        tokens that took."""
+        states, todo = self.search.states, [i for i, e in enumerate(ended) if not e]
+        right = [e and key in states and states[key].status == "done" and states[key].reward >= 1.0
+                 for key, e in zip(keys, ended)]
+        if not todo:
+            return right, 0
+        runner = EpisodeRunner(self.sampler(0.0, self._seed + 1), toolcalls.parse, self.env.limits)
+        problems = [self.search.problems[keys[i][0]] for i in todo]
+        bases = [states[keys[i]].messages if keys[i] in states else None for i in todo]
+        records = runner.run([(p, self.env.episode(p)) for p in problems], prefixes=bases)
+        spent = 0
+        for i, base, rec in zip(todo, bases, records, strict=True):
+            right[i] = rec.right
+            new = rec.turns[len(base):] if base is not None else rec.turns
+            spent += sum(t.num_tokens or 0 for t in new if t.role == "assistant")
+        return right, spent
+
+
+@dataclass
+class _Slot:
+    """One episode of `prm_turn_search`: where it stands (its key, None before its first turn) and whether it ended."""
+    prompt: str
+    key: Key | None = None
+    done: bool = False
+
+
+def prm_turn_search(env: Any, generate: Callable[[list[list[Message]]], list[tuple]], problems: list[Problem],
+                    score_steps: Callable[[list[str], list[list[str]]], list[list[float]]], *, n: int, max_tries: int,
+                    threshold: float, max_steps: int = 32,
+                    redraw: Callable[[list[list[Message]]], list[tuple]] | None = None,
+                    ) -> tuple[list[EpisodeRecord], dict[str, float]]:
+    """`generate.search` on an environment: `n` episodes per problem, each turn drawn until the PRM accepts it, as
+    `step_search.prm_step_search` draws a text's steps. A turn is an assistant turn with what the environment
+    answered (`EpisodeSearch.expand`, one draw); the PRM scores it after the turns before it, with the user message
+    as the prompt, as the score stage reads an episode. A turn it scores below `threshold` is drawn again (by
+    `redraw`, a hotter sampler, where given), up to `max_tries`, and the best-scored draw is kept
+    (`accepted_below_threshold` where none reached it). An episode still open after `max_steps` turns runs on to its
+    end unguided. Every draw of every live episode steps in one batch per try.
+
+    Returns the episodes, problem by problem, and the search's counts: turns, draws, redraws, turns kept below the
+    threshold, and tokens generated and discarded (the rejected draws')."""
+    if max_tries < 1:
+        raise ValueError(f"prm_turn_search: max_tries must be >= 1, got {max_tries}")
+    search = EpisodeSearch(env, generate, problems, 1, score_steps)
+    first = search.runner
+    again = EpisodeRunner(redraw, toolcalls.parse, env.limits) if redraw is not None else first
+    slots = [_Slot(p.prompt) for p in problems for _ in range(n)]
+    stats = {"steps": 0, "draws": 0, "redraws": 0, "accepted_below_threshold": 0, "generated_tokens": 0,
+             "discarded_tokens": 0}
+    for _ in range(max_steps):
+        pending = [s for s in slots if not s.done]
+        if not pending:
+            break
+        best: dict[int, tuple[float, Candidate, Key]] = {}  # id(slot) -> its best draw so far
+        for attempt in range(max_tries):
+            search.runner = first if attempt == 0 else again
+            drawn = search.expand([s.key or (s.prompt, "") for s in pending], 1)
+            got = [(s, c[0], (s.prompt, (s.key or (s.prompt, ""))[1] + c[0].text)) for s, c in zip(pending, drawn)
+                   if c]
+            for s, c in zip(pending, drawn):
+                if not c:  # the context was full, or the environment failed: the episode ends where it stood
+                    s.done = True
+            values = search.value([key for _, _, key in got])[0] if got else []
+            stats["draws"] += len(got)
+            stats["redraws"] += len(got) if attempt else 0
+            for (s, c, key), v in zip(got, values):
+                stats["generated_tokens"] += c.tokens
+                held = best.get(id(s))
+                if held is None or v > held[0]:
+                    stats["discarded_tokens"] += held[1].tokens if held else 0
+                    best[id(s)] = (v, c, key)
+                else:
+                    stats["discarded_tokens"] += c.tokens
+            pending = [s for s, _, _ in got if best[id(s)][0] < threshold]
+            if not pending:
+                break
+        stats["accepted_below_threshold"] += len(pending)
+        for s in slots:
+            if id(s) in best:
+                _, c, s.key = best[id(s)]
+                s.done = c.terminal
+                stats["steps"] += 1
+    search.runner = first
+    # An episode still open runs on unguided; one that never drew a turn (its context was full, or the environment
+    # failed to start) runs as a fresh episode, and ends as the loop ends it.
+    open_ = [s for s in slots if s.key is None or search.states[s.key].status == "open"]
+    runs = search._run([s.key or (s.prompt, "") for s in open_], 1, None) if open_ else []
+    finished = dict(zip(map(id, open_), runs))
+    records = []
+    for s in slots:
+        rollout = finished.get(id(s))
+        base = len(search.states[s.key].messages) if s.key is not None else 0
+        if rollout is not None:
+            stats["generated_tokens"] += sum(t.num_tokens or 0 for t in rollout.turns[base:] if t.role == "assistant")
+        records.append(rollout if s.key is None else search.episode(s.prompt, search.path(s.key), rollout))
+    return records, stats

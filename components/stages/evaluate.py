@@ -134,11 +134,19 @@ def _compute_curve(spec: StageSpec, domain, backend, problems: list, trajectorie
         backend.progress = False  # the searches report their points, which say more
     log("evaluate", f"compute curve on level {level} ({len(on)} problems): budgets {s.budgets}, greedy, maj, "
                     f"prm_bon, {', '.join(s.methods)}")
+    searches = None
+    if is_agent(domain):  # a step is a turn, drawn with what the environment answers; one turn's tokens at most
+        from components.search.episodes import EpisodeSearches
+
+        searches = EpisodeSearches(
+            domain, lambda temperature, seed: agent_sampler(backend, inp.policy_uri, temperature=temperature,
+                                                            top_p=1.0, max_new_tokens=e.max_new_tokens, seed=seed),
+            on, prm.score_steps, temperature=e.temperature, seed=spec.seed)
     points = compute_curve(domain, backend, on, samples, {v["trajectory_id"]: bool(v["correct"]) for v in vers},
                            prm_min, prm.score_steps, budgets=s.budgets, methods=s.methods, expansions=s.expansions,
                            max_step_tokens=s.max_step_tokens, max_depth=s.max_depth, c_puct=s.c_puct,
                            temperature=e.temperature, max_new_tokens=e.max_new_tokens, seed=spec.seed,
-                           progress=lambda msg: log("evaluate", msg))
+                           progress=lambda msg: log("evaluate", msg), searches=searches)
     return curve_rows(points, experiment=spec.experiment, round=spec.round, model_id=inp.policy_model_id,
                       level=level)
 

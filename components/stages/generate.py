@@ -63,6 +63,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if is_agent(domain):
         if g.mcts is not None:
             return _episode_mcts(spec, out, domain, backend, inp, problems, t0)
+        if inp.search_prm_uri:
+            return _episode_search(spec, out, domain, backend, inp, problems, t0)
         return _episodes(spec, out, domain, backend, inp, problems, t0)
     if g.mcts is not None:
         return _mcts(spec, out, domain, backend, inp, problems, t0)
@@ -118,6 +120,48 @@ def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs
              "tokens_per_s": tokens / max(dt, 1e-9), "prompt_tokens": sampler.prompt_tokens,
              "context_full": sampler.context_full} | {f"agent_{k}": float(v) for k, v in stats.items()}
             | backend_metrics(backend))
+
+
+def _episode_search(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,
+                    ) -> dict[str, float]:
+    """generate.search on an environment: `samples_per_problem` episodes per problem, each turn drawn until the
+    previous round's PRM accepts it (components/search/episodes.py, `prm_turn_search`)."""
+    from components.envs.rollout import EpisodeBatch, episode_stats
+    from components.search.episodes import prm_turn_search
+
+    g = spec.cfg().generate
+    s = g.search
+    prm = reward_model_of(spec, "prm", inp.search_prm_uri)
+    log("generate", f"PRM-guided turns ({inp.search_prm_id}): up to {s.max_tries} draws per turn, keep at P(good) >= "
+                    f"{s.threshold}" + (f", redraw at temperature {s.redraw_temperature}"
+                                        if s.redraw_temperature is not None else ""))
+    if hasattr(backend, "progress"):
+        backend.progress = False
+    kw = dict(top_p=g.top_p, max_new_tokens=g.max_new_tokens)
+    sampler = agent_sampler(backend, inp.policy_uri, temperature=g.temperature, seed=spec.seed, **kw)
+    redraw = None if s.redraw_temperature is None else agent_sampler(
+        backend, inp.policy_uri, temperature=s.redraw_temperature,
+        seed=derive_seed(spec.seed, spec.round, "generate.redraw"), **kw)
+    records, stats = prm_turn_search(env, sampler, problems, prm.score_steps, n=g.samples_per_problem,
+                                     max_tries=s.max_tries, threshold=s.threshold, max_steps=s.max_steps,
+                                     redraw=redraw)
+    dt = time.perf_counter() - t0
+    batch = EpisodeBatch()
+    meta = dict(experiment=spec.experiment, round=spec.round, purpose="train", policy_model_id=inp.policy_model_id,
+                temperature=g.temperature, seed=spec.seed, **kw)
+    for k, rec in enumerate(records):
+        batch.add_episode(env, rec, k % g.samples_per_problem, **meta)
+    write(out, **batch.tables)
+    tokens = sum(t["num_tokens"] for t in batch.trajectories)
+    log("generate", f"{len(batch.trajectories)} episodes, {stats['steps']} guided turns from {stats['draws']} draws "
+                    f"({stats['redraws']} redrawn, {stats['accepted_below_threshold']} kept below threshold), "
+                    f"{tokens} tokens kept and {stats['discarded_tokens']} discarded in {dt:.1f}s")
+    prompt_tokens = sampler.prompt_tokens + (redraw.prompt_tokens if redraw else 0)
+    return ({"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": tokens,
+             "tokens_per_s": stats["generated_tokens"] / max(dt, 1e-9), "prompt_tokens": prompt_tokens,
+             "context_full": sampler.context_full + (redraw.context_full if redraw else 0)}
+            | {f"agent_{k}": float(v) for k, v in episode_stats(batch.records).items()}
+            | {f"search_{k}": float(v) for k, v in stats.items()} | backend_metrics(backend))
 
 
 def _episode_mcts(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,

@@ -252,7 +252,8 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, A
         elif s["selected"] and s["purpose"] == "step_dpo":
             step_ids.append(s["trajectory_id"])
     pairs, uses = [], []
-    chats = conversations(spec.rows("generate", "turns")) if sides and is_agent(domain_of(spec)) else None
+    chats = conversations(spec.rows("generate", "turns")) if (sides or step_ids) and is_agent(domain_of(spec)) \
+        else None
     for pid in sorted(sides):
         c, r = trajs[sides[pid]["dpo_chosen"]], trajs[sides[pid]["dpo_rejected"]]
         if chats is not None:  # two episodes of one problem, as sampled: DPO masks their observations out
@@ -266,8 +267,11 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, A
         step = {p["trajectory_id"]: p for p in spec.rows("score", "step_pairs")}
         for tid in sorted(step_ids):
             sp = step[tid]
-            pairs.append({"prompt": trajs[tid]["prompt"], "chosen": sp["prefix"] + sp["chosen"],
-                          "rejected": sp["prefix"] + sp["rejected"]})
+            if chats is not None:  # two episodes of one turn tree, the same turns up to where they part
+                pairs.append(_turn_pair(chats, sp))
+            else:
+                pairs.append({"prompt": trajs[tid]["prompt"], "chosen": sp["prefix"] + sp["chosen"],
+                              "rejected": sp["prefix"] + sp["rejected"]})
             uses += [(tid, "step_dpo_rejected")] + ([] if sp["chosen_from"] == "rollout"
                                                     else [(sp["chosen_from"], "step_dpo_chosen")])
     inputs, seen = [], set()
@@ -276,6 +280,23 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, A
             seen.add(tid)
             inputs.append({"model_id": model_id(spec), "trajectory_id": tid, "source_round": spec.round, "use": use})
     return pairs, inputs
+
+
+def _turn_pair(chats: dict[str, list[dict[str, Any]]], sp: dict[str, Any]) -> dict[str, Any]:
+    """A step pair of an environment (from a turn tree): the right episode's chat against the wrong one's. Their
+    first `step_index` assistant turns, with what the environment answered, are the same nodes, so they are the
+    same messages with the same sampled ids, and cancel in the DPO margin as a text pair's shared prefix does."""
+    right, wrong = sp["chosen_from"], sp["trajectory_id"]
+    if right not in chats or wrong not in chats:
+        raise RuntimeError(f"step pair of {wrong}: {right if right not in chats else wrong} has no stored turns "
+                           "(an environment's step pairs come from its turn tree, both sides stored episodes)")
+    c, r = chats[right], chats[wrong]
+    starts = [i for i, m in enumerate(r) if m["role"] == "assistant"]
+    cut = starts[sp["step_index"]] if sp["step_index"] < len(starts) else len(r)
+    if c[:cut] != r[:cut]:
+        raise RuntimeError(f"step pair of {wrong}: its first {sp['step_index']} turns differ from {right}'s, "
+                           "though the tree says they share them")
+    return {"chosen": c, "rejected": r}
 
 
 STAGE = Stage(name="train_policy", section="train_policy", gpu=True,

@@ -46,29 +46,35 @@ def agent_run(prefect_server, tmp_path_factory):
     return cfg, Store.for_config(cfg)
 
 
+def from_round_zero(agent_run, experiment: str, rounds: int, recipe: str, settings: list[str]):
+    """Another experiment on the calculator, from agent_run's round-0 policy (no bootstrap training), on level 1;
+    its config and store once its rounds are done."""
+    from flows.evolution import self_evolution
+
+    cfg, store = agent_run
+    model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
+    config = REPO / "configs" / "calculator.yaml"
+    overrides = [f"workdir={cfg.workdir}", f"experiment={experiment}", f"rounds={rounds}", f"recipe={recipe}",
+                 f"policy.model={model}", "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
+                 "bootstrap.problems_per_level=60", *settings]
+    self_evolution(config_path=str(config), overrides=overrides)
+    got = load_config(config, overrides)
+    return got, Store.for_config(got)
+
+
 @pytest.fixture(scope="module")
 def agent_grpo(agent_run):
     """recipe grpo on the same environment, from agent_run's round-0 policy: two rounds of groups of episodes, with
     turn credit from Monte Carlo turn labels (round 1) and from the PRM that round 1 trained on them (round 2);
     each round also trains an ORM, and its evaluation ranks two sampled episodes per held-out problem by that
     round's PRM and by its ORM (best-of-2)."""
-    from flows.evolution import self_evolution
-
-    cfg, store = agent_run
-    model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
-    config = REPO / "configs" / "calculator.yaml"
-    overrides = [f"workdir={cfg.workdir}", "experiment=calc-grpo", "rounds=2", "recipe=grpo",
-                 f"policy.model={model}", "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
-                 "bootstrap.problems_per_level=60", "generate.problems_per_level=6", "generate.samples_per_problem=4",
-                 "generate.temperature=1.0", "train_policy.method=grpo", "train_policy.grpo.groups_per_step=2",
-                 "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1",
-                 "score.mc_rollouts=2", "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5",
-                 "train_reward.enabled=true", "train_reward.steps=20", "train_reward.demos=true",
-                 "score.reward_model=prm", "evaluate.best_of_n=[2]", "train_reward.orm=true",
-                 "train_reward.orm_steps=10"]
-    self_evolution(config_path=str(config), overrides=overrides)
-    grpo = load_config(config, overrides)
-    return grpo, Store.for_config(grpo)
+    return from_round_zero(agent_run, "calc-grpo", 2, "grpo", [
+        "generate.problems_per_level=6", "generate.samples_per_problem=4",
+        "generate.temperature=1.0", "train_policy.method=grpo", "train_policy.grpo.groups_per_step=2",
+        "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1",
+        "score.mc_rollouts=2", "train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5",
+        "train_reward.enabled=true", "train_reward.steps=20", "train_reward.demos=true",
+        "score.reward_model=prm", "evaluate.best_of_n=[2]", "train_reward.orm=true", "train_reward.orm_steps=10"])
 
 
 @pytest.fixture(scope="module")
@@ -76,23 +82,35 @@ def agent_mcts(agent_run):
     """generate.mcts on the same environment, from agent_run's round-0 policy, recipe coevo: two rounds of level 1
     (which that policy answers) whose episodes are the trees' best finished episodes, a node one assistant turn with
     what the calculator answered. Round 1 values nodes by rollouts and trains a PRM on the labels its tree gives each
-    turn (score.tree, tree_hard); round 2 values them by that PRM."""
-    from flows.evolution import self_evolution
+    turn (score.tree, tree_hard); round 2 values them by that PRM. Each round's policy trains by DPO on the tree's
+    step pairs (filter.step_dpo_pairs) after its SFT."""
+    return from_round_zero(agent_run, "calc-mcts", 2, "coevo", [
+        "generate.problems_per_level=4", "generate.samples_per_problem=2",
+        "domain.options={test_size: 40, max_level: 1}",
+        "generate.mcts={simulations: 4, expansions: 3, rollouts: 1, value: prm}",
+        "score.tree={pair_margin: 0.25}", "score.reward_model=prm", "train_reward.enabled=true",
+        "train_reward.label_source=tree_hard", "train_reward.steps=10",
+        "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1",
+        "train_policy.method=sft+dpo", "filter.step_dpo_pairs=true", "train_policy.dpo.steps=2",
+        "train_policy.dpo.batch_size=2", "train_policy.dpo.max_length=512"])
 
-    cfg, store = agent_run
-    model = store.committed_model(cfg.experiment, 0, "policy")["uri"]
-    config = REPO / "configs" / "calculator.yaml"
-    overrides = [f"workdir={cfg.workdir}", "experiment=calc-mcts", "rounds=2", "recipe=coevo", f"policy.model={model}",
-                 "bootstrap.steps=0", "bootstrap.levels=[1]", "bootstrap.seed_levels=[]",
-                 "bootstrap.problems_per_level=60", "generate.problems_per_level=4", "generate.samples_per_problem=2",
-                 "domain.options={test_size: 40, max_level: 1}",
-                 "generate.mcts={simulations: 4, expansions: 3, rollouts: 1, value: prm}",
-                 "score.tree={pair_margin: 0.25}", "score.reward_model=prm", "train_reward.enabled=true",
-                 "train_reward.label_source=tree_hard", "train_reward.steps=10",
-                 "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1"]
-    self_evolution(config_path=str(config), overrides=overrides)
-    mcts = load_config(config, overrides)
-    return mcts, Store.for_config(mcts)
+
+GUIDED_THRESHOLD = 0.75  # near the median of what round 1's PRM gives these turns: some draws pass, some not
+
+
+@pytest.fixture(scope="module")
+def agent_guided(agent_run):
+    """generate.search and evaluate.search on the same environment, from agent_run's round-0 policy, recipe coevo:
+    round 1 samples plainly and trains a PRM on Monte Carlo turn labels; round 2 draws each turn until that PRM
+    accepts it. Each round's evaluation draws its compute curve over turns (beam search and MCTS guided by the
+    round's PRM) on two held-out problems."""
+    return from_round_zero(agent_run, "calc-guided", 2, "coevo", [
+        "generate.problems_per_level=3", "generate.samples_per_problem=2",
+        "domain.options={test_size: 40, max_level: 1}",
+        f"generate.search={{max_tries: 2, threshold: {GUIDED_THRESHOLD}, redraw_temperature: 1.2}}",
+        "score.mc_rollouts=1", "score.reward_model=prm", "train_reward.enabled=true",
+        "train_reward.steps=10", "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1",
+        "evaluate.search={budgets: [2], problems: 2, expansions: 2}"])
 
 
 # Each episode the search returned, its node's path rebuilt up to the root: the turns' texts joined.
@@ -195,6 +213,89 @@ def test_round_two_values_each_turn_by_round_ones_prm_as_it_reads_a_stored_episo
     gaps = [abs(value - sc[-1]) for (_, _, value, _, _), sc in zip(rows, scores)]
     print(f"round 2: {len(rows)} nodes valued by {prm['model_id']}, largest gap to its scores {max(gaps):.1e}")
     assert max(gaps) < 1e-4
+
+
+def test_dpo_trains_on_turn_pairs_that_part_at_sibling_turns(agent_mcts):
+    """filter.step_dpo_pairs on a turn tree: each pair is a wrong episode and a right one of its tree with the same
+    turns (the same sampled ids, the same observations) up to the turn where they part; the round's DPO trains on
+    exactly the selected pairs, after its SFT."""
+    cfg, store = agent_mcts
+    _, pairs = store.query(
+        "SELECT w.round, p.trajectory_id, p.chosen_from, p.step_index, p.chosen_q - p.rejected_q, vc.correct, "
+        "vw.correct FROM step_pairs p JOIN trajectories w USING (trajectory_id) "
+        "JOIN trajectories c ON c.trajectory_id = p.chosen_from AND c.problem_id = w.problem_id "
+        "JOIN verifications vc ON vc.trajectory_id = c.trajectory_id "
+        "JOIN verifications vw ON vw.trajectory_id = w.trajectory_id "
+        "WHERE p.source = 'tree' AND w.experiment_id = ?", [cfg.experiment])
+    assert pairs and all(gap >= 0.25 and right and not wrong for *_, gap, right, wrong in pairs), pairs
+
+    def turns(tid: str) -> list[tuple]:
+        return store.query("SELECT role, content, token_ids FROM turns WHERE trajectory_id = ? ORDER BY turn_index",
+                           [tid])[1]
+
+    for _, wrong, right, step, *_ in pairs:
+        w, r = turns(wrong), turns(right)
+        cut = [i for i, t in enumerate(w) if t[0] == "assistant"][step]
+        assert w[:cut] == r[:cut] and w[cut:] != r[cut:], (wrong, right, step)
+    for rnd in sorted({p[0] for p in pairs}):
+        n = sum(p[0] == rnd for p in pairs)
+        train = json.loads(store.committed_run(cfg.experiment, rnd, "train_policy")["metrics_json"])
+        uses = dict(store.query("SELECT use, count(*) FROM model_inputs WHERE model_id = ? GROUP BY 1",
+                                [store.committed_model(cfg.experiment, rnd, "policy")["model_id"]])[1])
+        assert train["dpo_pairs"] == n and train["dpo_steps"] == 2, train
+        assert uses["step_dpo_rejected"] == n, uses
+    print(f"step pairs over turns: {len(pairs)} in rounds {sorted({p[0] for p in pairs})}, parting at turns "
+          f"{sorted(p[3] for p in pairs)}")
+
+
+def test_prm_guided_turns_keep_a_draw_below_the_threshold_only_after_max_tries(agent_guided):
+    """generate.search on an environment: round 2 draws each turn until round 1's PRM scores it at least the
+    threshold. Rescored from the store by that PRM, the kept turns below the threshold are exactly the ones the
+    search says it kept after max_tries; every draw it discarded is counted in the round's tokens."""
+    from components.envs.rollout import episode_steps
+    from components.rewards.prm import PRMScorer
+
+    cfg, store = agent_guided
+    plain = json.loads(store.committed_run(cfg.experiment, 1, "generate")["metrics_json"])
+    assert not any(k.startswith("search_") for k in plain)  # round 1 has no PRM yet: it samples plainly
+    gen = json.loads(store.committed_run(cfg.experiment, 2, "generate")["metrics_json"])
+    _, rows = store.query("SELECT u.trajectory_id, u.turn_index, u.role, u.content, u.tool_name, t.prompt FROM turns u "
+                          "JOIN trajectories t USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 2 "
+                          "AND t.purpose = 'train'", [cfg.experiment])
+    turns = [dict(zip(("trajectory_id", "turn_index", "role", "content", "tool_name"), r)) for r in rows]
+    prompts = {r[0]: r[5] for r in rows}
+    steps = episode_steps(turns)
+    prm = store.committed_model(cfg.experiment, 1, "prm")
+    ids = sorted(steps)
+    scorer = PRMScorer(prm["uri"], prompt_format="chat")
+    # each turn as the search scored it: after the turns before it
+    scores = [scorer.score_steps([prompts[t]], [steps[t][:i + 1]])[0][-1] for t in ids for i in range(len(steps[t]))]
+    below = sum(s < GUIDED_THRESHOLD for s in scores)
+    print(f"round 2 guided by {prm['model_id']}: {gen['search_steps']:.0f} turns from {gen['search_draws']:.0f} "
+          f"draws ({gen['search_redraws']:.0f} redrawn), {gen['search_accepted_below_threshold']:.0f} kept below "
+          f"{GUIDED_THRESHOLD} (rescored: {below}), {gen['search_discarded_tokens']:.0f} tokens discarded")
+    assert gen["search_steps"] == len(scores) > 0 and gen["search_accepted_below_threshold"] == below
+    assert gen["search_draws"] == gen["search_steps"] + gen["search_redraws"] and gen["search_redraws"] > 0
+    assert gen["search_generated_tokens"] == gen["tokens"] + gen["search_discarded_tokens"]
+    assert gen["trajectories"] == gen["agent_episodes"] == 2 * gen["problems"]
+
+
+def test_the_compute_curve_over_turns_lands_in_each_rounds_evaluations(agent_guided):
+    """evaluate.search on an environment: each round with a PRM draws greedy, maj@2, PRM best-of-2, beam search and
+    MCTS over turns on its two held-out problems, each point at its tokens per problem."""
+    cfg, store = agent_guided
+    _, rows = store.query("SELECT round, metric, value FROM evaluations WHERE experiment_id = ? AND metric LIKE "
+                          "'curve_%' ORDER BY round, metric", [cfg.experiment])
+    by_round: dict[int, dict[str, float]] = {}
+    for rnd, metric, value in rows:
+        by_round.setdefault(rnd, {})[metric] = value
+    assert sorted(by_round) == [1, 2]
+    for rnd, got in by_round.items():
+        for method in ("greedy_at_1", "maj_at_2", "prm_bon_at_2", "beam_at_2", "mcts_at_2"):
+            assert 0.0 <= got[f"curve_{method}"] <= 1.0 and got[f"curve_{method}_tokens"] > 0, (rnd, method)
+        print(f"round {rnd} curve: " + ", ".join(f"{m} {got[f'curve_{m}_at_2']:.2f} at "
+                                                 f"{got[f'curve_{m}_at_2_tokens']:.0f} tokens"
+                                                 for m in ("maj", "prm_bon", "beam", "mcts")))
 
 
 def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(agent_grpo):

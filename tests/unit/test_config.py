@@ -219,8 +219,10 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
         load_config_dict({"experiment": "x", "score": {"reward_model": "env"}})
     orm = {"score": {"reward_model": "orm", "mc_rollouts": 2}, "train_reward": {"enabled": True, "orm": True}}
     assert load_config_dict(base | coevo | orm).train_reward.orm  # the ORM reads an episode's transcript
-    with pytest.raises(ConfigError, match="does not support generate.search yet"):
-        load_config_dict(base | {"generate": {"search": {}}})
+    guided = {"generate": {"search": {"max_tries": 2}}}  # each turn drawn until the previous round's PRM accepts it
+    assert load_config_dict(base | coevo | guided).generate.search.max_tries == 2
+    with pytest.raises(ConfigError, match="does not support generate.until_correct yet"):
+        load_config_dict(base | {"generate": {"until_correct": 1}})
     # MCTS over turns, valued by rollouts or by the previous round's PRM
     assert load_config_dict(base | {"generate": {"mcts": {"simulations": 4}}}).generate.mcts.simulations == 4
     assert load_config_dict(base | coevo | {"generate": {"mcts": {"value": "prm"}}}).generate.mcts.value == "prm"
@@ -236,8 +238,12 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | grpo | {"score": {"mc_rollouts": 2}}).score.mc_rollouts == 2
     first_error = {"score": {"mc_rollouts": 2, "mc_strategy": "first_error"}}
     assert load_config_dict(base | first_error).score.mc_strategy == "first_error"
-    # DPO pairs two episodes of a problem; step-level pairs (from the text search or a tree) are refused here.
+    # DPO pairs two episodes of a problem, and step pairs two episodes of a turn tree that part at sibling turns;
+    # Monte Carlo turn labels keep no continuation to pair with.
     dpo = {"filter": {"dpo_pairs": True}, "train_policy": {"method": "sft+dpo"}}
     assert load_config_dict(base | dpo).train_policy.method == "sft+dpo"
-    with pytest.raises(ConfigError, match="does not support filter.step_dpo_pairs yet"):
-        load_config_dict(base | dpo | {"filter": {"dpo_pairs": True, "step_dpo_pairs": True}} | first_error)
+    steps = {"filter": {"dpo_pairs": True, "step_dpo_pairs": True}}
+    assert load_config_dict(base | dpo | steps | tree).filter.step_dpo_pairs
+    with pytest.raises(ConfigError, match="takes an environment's pairs from its turn trees.*set generate.mcts and "
+                                          "score.tree"):
+        load_config_dict(base | dpo | steps | first_error)

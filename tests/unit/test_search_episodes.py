@@ -116,3 +116,88 @@ def test_a_prms_values_replace_the_rollouts_and_it_reads_each_node_as_the_score_
         stored = episode_steps(rows["turns"])[rows["trajectories"][0]["trajectory_id"]]
         # the PRM read the right call's node as the score stage reads the stored episode's first step
         assert (p.prompt, stored[:1]) in seen and rows["trajectories"][0]["prompt"] == p.prompt
+
+
+def test_the_compute_curve_searches_over_turns_by_the_prm_and_runs_an_unfinished_episode_on(env):
+    """evaluate.search on an environment: beam search and MCTS over turns, each turn valued by the PRM (never by
+    the calculator's verdict), the best episode's answer then verified by the environment. A PRM that likes the
+    wrong call leads both searches to the wrong answer; with one turn allowed, the best beam has not answered and
+    is run on greedily, its tokens counted."""
+    from components.search.curves import compute_curve
+    from components.search.episodes import EpisodeSearches
+
+    problems = env.sample_problems(3, 2, seed=0)
+    samples = {p.problem_id: [{"trajectory_id": f"{p.problem_id}/{i}", "sample_index": i, "num_tokens": 30,
+                               "answer": p.answer if i != 1 else "2"} for i in range(3)] for p in problems}
+    correct = {t["trajectory_id"]: t["answer"] != "2" for g in samples.values() for t in g}
+
+    def prm(likes: str):  # P(good) of a turn: high where the calculator answered `likes` (the answer, or 2)
+        def score_steps(prompts, steps):
+            marks = [f"] {p.answer}" for p in problems] if likes == "answer" else ["] 2"]
+            return [[0.9 if any(m in s for m in marks) else 0.2 for s in st] for st in steps]
+        return score_steps
+
+    def curve(likes: str, max_depth: int = 4, methods=("beam", "mcts")):
+        calls: list[tuple[float, int]] = []
+
+        def sampler(temperature, seed):
+            calls.append((temperature, seed))
+            return branching([])
+
+        searches = EpisodeSearches(env, sampler, problems, prm(likes), temperature=0.8, seed=0)
+        points = compute_curve(env, None, problems, samples, correct, None, prm(likes), budgets=[2],
+                               methods=methods, expansions=2, max_step_tokens=16, max_depth=max_depth,
+                               c_puct=1.5, temperature=0.8, max_new_tokens=32, seed=0, searches=searches)
+        return {p["method"]: (p["tokens"], p["accuracy"]) for p in points}, calls
+
+    got, _ = curve("answer")
+    assert got["greedy"] == (30, 1.0) and got["maj"] == (60, 0.0)  # maj@2: a tie of 3 and 2, the earlier wins
+    assert got["beam"][1] == got["mcts"][1] == 1.0
+    misled, _ = curve("2")
+    assert misled["beam"][1] == misled["mcts"][1] == 0.0
+    beam, calls = curve("answer", methods=["beam"])
+    assert beam["beam"] == got["beam"] and [t for t, _ in calls] == [0.8]  # each beam answered: nothing run on
+    cut, calls = curve("answer", max_depth=1, methods=["beam"])
+    # one turn each: the right call, not yet answered, is run on greedily, answers what it read, and is paid for
+    assert cut["beam"][1] == 1.0 and [t for t, _ in calls] == [0.8, 0.0] and cut["beam"][0] > 0
+    assert cut["beam"][0] < beam["beam"][0]  # one beam's answer turn instead of two beams' draws of it
+
+
+def test_prm_guided_turns_redraw_a_turn_the_prm_rejects_and_keep_the_best_draw(env):
+    """generate.search on an environment: each turn is drawn, with what the calculator answered, until the PRM
+    accepts it; a rejected turn is redrawn by the redraw sampler, and after max_tries the best draw is kept."""
+    from components.search.episodes import prm_turn_search
+
+    problems = env.sample_problems(3, 2, seed=0)
+    assert all(p.answer != "2" for p in problems)
+    seen: list[list[str]] = []
+
+    def score_steps(prompts, steps):  # dislikes a turn that read 2, the wrong call's result
+        seen.extend(steps)
+        return [[0.2 if "[tool:calculate] 2" in s else 0.9 for s in st] for st in steps]
+
+    calls, redraws = [], []
+    records, stats = prm_turn_search(env, branching(calls), problems, score_steps, n=2, max_tries=2, threshold=0.5,
+                                     redraw=branching(redraws))
+    # 4 episodes: the odd places of the first batch called 1+1 and were redrawn, as a batch of 2 whose odd place
+    # called 1+1 again: that episode keeps the better of two equal draws, the first, below the threshold
+    assert calls == [4, 4] and redraws == [2]
+    assert [r.right for r in records] == [True, True, True, False]
+    assert stats["draws"] == 10 and stats["redraws"] == 2 and stats["accepted_below_threshold"] == 1
+    assert stats["steps"] == 8  # two turns kept per episode
+    for rec in records:
+        assert [t.role for t in rec.turns] == ["system", "user", "assistant", "tool", "assistant"]
+        assert [t.turn_index for t in rec.turns] == list(range(5)) and rec.status == "done"
+        assert all(t.token_ids for t in rec.turns if t.role == "assistant")
+    kept = sum(t.num_tokens for r in records for t in r.turns if t.role == "assistant")
+    assert stats["generated_tokens"] == kept + stats["discarded_tokens"] and stats["discarded_tokens"] > 0
+    assert all(len(st) in (1, 2) for st in seen)  # each draw scored after the turns before it
+    # one guided turn: the episodes, still open, answer unguided, and their answer turns are paid for
+    calls = []
+    cut, cut_stats = prm_turn_search(env, branching(calls), problems, score_steps, n=2, max_tries=2, threshold=0.5,
+                                     max_steps=1, redraw=branching([]))
+    assert calls == [4, 4] and [r.right for r in cut] == [True, True, True, False] and cut_stats["steps"] == 4
+    # the same turns as guided (every answer turn was accepted there at once), fewer draws scored
+    assert cut_stats["generated_tokens"] == stats["generated_tokens"] and cut_stats["draws"] == 6
+    with pytest.raises(ValueError, match="max_tries must be >= 1"):
+        prm_turn_search(env, branching([]), problems, score_steps, n=1, max_tries=0, threshold=0.5)
