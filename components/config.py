@@ -796,18 +796,18 @@ class ExperimentConfig(_Section):
         if self.filter.step_dpo_pairs and self.score.tree is None:
             raise ValueError(f"{where}: filter.step_dpo_pairs takes an environment's pairs from its turn trees, two "
                              "stored episodes that part at sibling turns; Monte Carlo turn labels keep no winning "
-                             "continuation to pair with: set generate.mcts and score.tree")
+                             "continuation to pair with: set score.tree (with generate.mcts or score.tree.search)")
         unsupported = {f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
-                       "score.tree.search": self.score.tree is not None and self.score.tree.search is not None,
                        "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet; MCTS over turns "
                              "(generate.mcts, and score.tree on its trees), Monte Carlo turn labels (score.mc_rollouts, "
-                             "mc_strategy every_prefix or first_error), the PRM, the implicit PRM, the ORM, best-of-N, "
-                             "PRM-guided turns (generate.search), the compute curve over turns (evaluate.search), "
-                             "DPO on episodes and on a turn tree's step pairs, and grpo's step credit work")
+                             "mc_strategy every_prefix or first_error), turn trees grown in score (score.tree.search), the "
+                             "PRM, the implicit PRM, the ORM, best-of-N, PRM-guided turns (generate.search), the "
+                             "compute curve over turns (evaluate.search), DPO on episodes and on a turn tree's step "
+                             "pairs, and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

@@ -339,3 +339,75 @@ def prm_turn_search(env: Any, generate: Callable[[list[list[Message]]], list[tup
             stats["generated_tokens"] += sum(t.num_tokens or 0 for t in rollout.turns[base:] if t.role == "assistant")
         records.append(rollout if s.key is None else search.episode(s.prompt, search.path(s.key), rollout))
     return records, stats
+
+
+def _turn(row: dict[str, Any]) -> Turn:
+    """A `turns` row as the loop's Turn."""
+    ids = row.get("token_ids")
+    return Turn(row["turn_index"], row["role"], row["content"], row.get("tool_name"), row.get("tool_arguments"),
+                row.get("tool_ok"), row.get("error"), row.get("reward"), row.get("num_tokens"),
+                row.get("finish_reason"), row.get("latency_s"), bool(row.get("truncated")),
+                list(ids) if ids else None)
+
+
+def grow_episode_trees(env: Any, generate: Callable[[list[list[Message]]], list[tuple]], problems: dict[str, Problem],
+                       trajectories: list[dict[str, Any]], turns: list[dict[str, Any]],
+                       correct: dict[str, bool | None], section: Any, *,
+                       score_steps: Callable[[list[str], list[list[str]]], list[list[float]]] | None = None,
+                       progress: Callable[[int, int], None] | None = None,
+                       ) -> tuple[list[Problem], list[Tree], dict[str, tuple[Problem, int]], dict[str, float]]:
+    """`score.tree.search` on an environment: one tree over turns per prompt, seeded with the round's episodes of it
+    in trajectory id order, each a path of its turns (a node: an assistant turn with what the environment
+    answered, as `episode_mcts` makes them) ending at a terminal leaf with the environment's verdict backed up
+    once, then searched with `generate` for the `section`'s simulations and budget (score.tree.search; its token
+    budget is per tree). A seeded node resumes from the stored conversation, its sampled ids kept, the environment
+    replayed to it. Values come from the section's `rollouts` episodes run to their end, or from `score_steps` (a
+    PRM's). `problems` maps problem id to Problem.
+
+    Returns the trees' problems (a prompt's lowest problem id), the trees, where each episode ended (trajectory id
+    -> its problem and the node id of its leaf), and the counts: trees, seeded nodes, tokens generated, nodes."""
+    from components.envs.rollout import conversations
+
+    lowest = sorted(problems.values(), key=lambda p: p.problem_id, reverse=True)  # a prompt's lowest id last: kept
+    search = EpisodeSearch(env, generate, list({p.prompt: p for p in lowest}.values()), section.rollouts,
+                           score_steps)
+    chats = conversations(turns)
+    by_tid: dict[str, list[dict[str, Any]]] = {}
+    for row in sorted(turns, key=lambda r: (r["trajectory_id"], r["turn_index"])):
+        by_tid.setdefault(row["trajectory_id"], []).append(row)
+    owner: dict[str, Problem] = {}  # prompt -> the problem its tree is filed under: the lowest id of that prompt
+    trees: dict[str, Tree] = {}
+    leaf_of: dict[str, tuple[str, int]] = {}
+    for t in sorted(trajectories, key=lambda t: t["trajectory_id"]):
+        rows = by_tid.get(t["trajectory_id"], [])
+        starts = [i for i, r in enumerate(rows) if r["role"] == "assistant"]
+        if not starts:
+            continue
+        p = problems[t["problem_id"]]
+        if p.prompt not in owner or p.problem_id < owner[p.prompt].problem_id:
+            owner[p.prompt] = p
+        search.opening.setdefault(p.prompt, [_turn(r) for r in rows[:starts[0]]])
+        reward = 1.0 if correct.get(t["trajectory_id"]) is True else 0.0
+        prefix, steps, texts = "", [], []
+        for j, a in enumerate(starts):
+            end = starts[j + 1] if j + 1 < len(starts) else len(rows)
+            group = [_turn(r) for r in rows[a:end]]
+            text = turn_text(group)
+            prefix, last = prefix + text, j == len(starts) - 1
+            steps.append(text.removesuffix("\n"))
+            texts.append(text)
+            search.states.setdefault((p.prompt, prefix), _State(
+                chats[t["trajectory_id"]][:end], group, list(steps), "done" if last else "open",
+                reward if last else 0.0))
+        tree = trees.setdefault(p.prompt, Tree(p.prompt))
+        leaf_of[t["trajectory_id"]] = (p.prompt, tree.seed(texts, reward).node_id)
+    prompts = sorted(trees)
+    if not prompts:
+        return [], [], {}, {"trees": 0, "seeded": 0, "generated_tokens": 0, "nodes": 0}
+    seeded = sum(len(trees[q].nodes) - 1 for q in prompts)
+    grown, spent = mcts_search(prompts, search.expand, search.value, search.reward,
+                               MCTSConfig.of(section, len(prompts)), progress, [trees[q] for q in prompts])
+    counts = {"trees": len(grown), "seeded": seeded, "generated_tokens": spent,
+              "nodes": sum(len(t.nodes) for t in grown), "replay_mismatches": search.replay_mismatches}
+    return ([owner[q] for q in prompts], grown, {tid: (owner[q], nid) for tid, (q, nid) in leaf_of.items()},
+            counts)

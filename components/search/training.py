@@ -103,8 +103,7 @@ def grow_label_trees(domain: Any, backend: Any, problems: dict[str, Any], trajec
     by rollouts or by `value` (a PRM's). `problems` maps problem id to Problem. Returns the trees as `nodes` rows
     (purpose 'label'; a node names the first trajectory that ended there), `placed` (trajectory id -> tree id and
     node id of its terminal leaf) and the search's counts."""
-    from components.generation import search_tree_id
-    from components.search.mcts import MCTSConfig, Tree, node_rows
+    from components.search.mcts import MCTSConfig, Tree
     from components.search.policy import mcts_sample
 
     sep = domain.step_separator
@@ -131,17 +130,29 @@ def grow_label_trees(domain: Any, backend: Any, problems: dict[str, Any], trajec
     trees, _, stats = mcts_sample(domain, backend, todo, MCTSConfig.of(search, len(todo)), temperature=temperature,
                                   top_p=top_p, max_step_tokens=search.max_step_tokens, max_new_tokens=max_new_tokens,
                                   seed=seed, rollouts=search.rollouts, value=value, progress=progress, trees=trees)
-    tree_ids = {p.problem_id: search_tree_id(experiment, round, "label", p.problem_id) for p in todo}
+    rows, placed = label_tree_rows(todo, trees, leaf_of, experiment=experiment, round=round)
+    counts = {"trees": len(trees), "seeded": seeded, "generated_tokens": stats["generated_tokens"],
+              "backend_calls": stats["backend_calls"], "nodes": stats["nodes"]}
+    return rows, placed, counts
+
+
+def label_tree_rows(problems: list[Any], trees: list[Any], leaf_of: dict[str, tuple[Any, int]], *, experiment: str,
+                    round: int) -> tuple[list[dict[str, Any]], dict[str, tuple[str, int]]]:
+    """Trees grown in score (purpose 'label'), one per problem, as `nodes` rows, each node naming the first
+    trajectory (by id) that ended there; and `placed`: trajectory id -> its tree id and the node it ended at
+    (`leaf_of` gives the problem and node id)."""
+    from components.generation import search_tree_id
+    from components.search.mcts import node_rows
+
+    tree_ids = {p.problem_id: search_tree_id(experiment, round, "label", p.problem_id) for p in problems}
     placed = {tid: (tree_ids[p.problem_id], nid) for tid, (p, nid) in leaf_of.items()}
     names: dict[tuple[str, int], str] = {}
     for tid in sorted(placed):
         names.setdefault(placed[tid], tid)
     rows = [{"tree_id": tree_ids[p.problem_id], "experiment_id": experiment, "round": round, "purpose": "label",
              "problem_id": p.problem_id} | row | {"trajectory_id": names.get((tree_ids[p.problem_id], row["node_id"]))}
-            for p, tree in zip(todo, trees, strict=True) for row in node_rows(tree)]
-    counts = {"trees": len(trees), "seeded": seeded, "generated_tokens": stats["generated_tokens"],
-              "backend_calls": stats["backend_calls"], "nodes": stats["nodes"]}
-    return rows, placed, counts
+            for p, tree in zip(problems, trees, strict=True) for row in node_rows(tree)]
+    return rows, placed
 
 
 def tree_step_labels(nodes: Iterable[dict[str, Any]], trajectories: list[dict[str, Any]],

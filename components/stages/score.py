@@ -118,7 +118,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         correct = {v["trajectory_id"]: v["correct"] for v in vers}
         placed = None
         if sc.tree.search is not None:
-            nodes, placed = _grow_trees(spec, inp, trajs, steps, correct, problems, metrics)
+            nodes, placed = _grow_trees(spec, inp, trajs, steps, correct, problems, metrics, turns)
             tree = nodes
         else:
             mine = {x["problem_id"] for x in trajs}  # this shard's
@@ -174,17 +174,18 @@ def _turn_labels(spec: StageSpec, env: Any, backend: Any, inp: Inputs, items: li
 
 def _grow_trees(spec: StageSpec, inp: Inputs, trajs: list[dict[str, Any]], steps: dict[str, list[str]],
                 correct: dict[str, bool | None], problems: dict[str, Any], metrics: dict[str, float],
+                turns: list[dict[str, Any]] | None = None,
                 ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, int]]]:
-    """score.tree.search: a tree per problem, grown from the round's solutions with the policy that sampled them."""
+    """score.tree.search: a tree per problem, grown from the round's solutions (an environment's: its episodes, a
+    node a turn, given their `turns`) with the policy that sampled them."""
     from components.search.policy import prm_value
     from components.search.training import grow_label_trees
 
     cfg, domain = spec.cfg(), domain_of(spec)
     m = cfg.score.tree.search
-    value = None
-    if inp.tree_prm_uri:
-        value = prm_value(domain, reward_model_of(spec, "prm", inp.tree_prm_uri).score_steps)
-    source = "the previous PRM" if value else f"{m.rollouts} rollouts per prefix"
+    score_steps = reward_model_of(spec, "prm", inp.tree_prm_uri).score_steps if inp.tree_prm_uri else None
+    value = prm_value(domain, score_steps) if score_steps and turns is None else None
+    source = "the previous PRM" if score_steps else f"{m.rollouts} rollouts per prefix"
     budget = f", {m.token_budget} tokens per problem" if m.token_budget else ""
     log("score", f"MCTS from the round's solutions: {m.simulations} simulations, {m.expansions} draws per "
                  f"expansion, c_puct {m.c_puct}, values from {source}{budget}")
@@ -192,11 +193,23 @@ def _grow_trees(spec: StageSpec, inp: Inputs, trajs: list[dict[str, Any]], steps
     backend = backend_of(spec, inp.policy_uri)
     if hasattr(backend, "progress"):
         backend.progress = False  # its per-call counts would interleave with the simulations', which say more
-    nodes, placed, counts = grow_label_trees(
-        domain, backend, problems, trajs, steps, correct, m, experiment=spec.experiment, round=spec.round,
-        seed=derive_seed(spec.seed, spec.round, "score.tree"), temperature=cfg.generate.temperature,
-        top_p=cfg.generate.top_p, max_new_tokens=cfg.score.mc_max_new_tokens or cfg.generate.max_new_tokens,
-        value=value, progress=lambda sim, spent: log("score", f"simulation {sim}/{m.simulations}: {spent} tokens"))
+    seed, report = (derive_seed(spec.seed, spec.round, "score.tree"),
+                    lambda sim, spent: log("score", f"simulation {sim}/{m.simulations}: {spent} tokens"))
+    max_new_tokens = cfg.score.mc_max_new_tokens or cfg.generate.max_new_tokens
+    if turns is not None:
+        from components.search.episodes import grow_episode_trees
+        from components.search.training import label_tree_rows
+
+        sampler = agent_sampler(backend, inp.policy_uri, temperature=cfg.generate.temperature,
+                                top_p=cfg.generate.top_p, max_new_tokens=max_new_tokens, seed=seed)
+        owners, trees, leaf_of, counts = grow_episode_trees(domain, sampler, problems, trajs, turns, correct, m,
+                                                            score_steps=score_steps, progress=report)
+        nodes, placed = label_tree_rows(owners, trees, leaf_of, experiment=spec.experiment, round=spec.round)
+    else:
+        nodes, placed, counts = grow_label_trees(
+            domain, backend, problems, trajs, steps, correct, m, experiment=spec.experiment, round=spec.round,
+            seed=seed, temperature=cfg.generate.temperature, top_p=cfg.generate.top_p, max_new_tokens=max_new_tokens,
+            value=value, progress=report)
     metrics |= {f"tree_search_{k}": float(v) for k, v in counts.items()}
     metrics["tree_search_seconds"] = time.perf_counter() - t0
     log("score", f"{counts['trees']} trees from {len(placed)} solutions ({counts['seeded']} seeded nodes), grown to "

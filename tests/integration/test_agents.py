@@ -95,20 +95,22 @@ def agent_mcts(agent_run):
         "train_policy.dpo.batch_size=2", "train_policy.dpo.max_length=512"])
 
 
-GUIDED_THRESHOLD = 0.75  # near the median of what round 1's PRM gives these turns: some draws pass, some not
+GUIDED_THRESHOLD = 0.75  # within what round 1's PRM gives these turns: some draws pass, some are redrawn
 
 
 @pytest.fixture(scope="module")
 def agent_guided(agent_run):
-    """generate.search and evaluate.search on the same environment, from agent_run's round-0 policy, recipe coevo:
-    round 1 samples plainly and trains a PRM on Monte Carlo turn labels; round 2 draws each turn until that PRM
-    accepts it. Each round's evaluation draws its compute curve over turns (beam search and MCTS guided by the
-    round's PRM) on two held-out problems."""
+    """generate.search, score.tree.search and evaluate.search on the same environment, from agent_run's round-0
+    policy, recipe coevo: round 1 samples plainly; round 2 draws each turn until round 1's PRM accepts it. Each
+    round's score grows a tree over turns around its episodes (valued by rollouts, then by round 1's PRM), and
+    the PRM trains on the labels it gives each turn. Each round's evaluation draws its compute curve over turns
+    (beam search and MCTS guided by the round's PRM) on two held-out problems."""
     return from_round_zero(agent_run, "calc-guided", 2, "coevo", [
         "generate.problems_per_level=3", "generate.samples_per_problem=2",
         "domain.options={test_size: 40, max_level: 1}",
         f"generate.search={{max_tries: 2, threshold: {GUIDED_THRESHOLD}, redraw_temperature: 1.2}}",
-        "score.mc_rollouts=1", "score.reward_model=prm", "train_reward.enabled=true",
+        "score.tree={search: {simulations: 3, expansions: 2, rollouts: 1, value: prm}}",
+        "train_reward.label_source=tree_hard", "score.reward_model=prm", "train_reward.enabled=true",
         "train_reward.steps=10", "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1",
         "evaluate.search={budgets: [2], problems: 2, expansions: 2}"])
 
@@ -278,6 +280,41 @@ def test_prm_guided_turns_keep_a_draw_below_the_threshold_only_after_max_tries(a
     assert gen["search_draws"] == gen["search_steps"] + gen["search_redraws"] and gen["search_redraws"] > 0
     assert gen["search_generated_tokens"] == gen["tokens"] + gen["search_discarded_tokens"]
     assert gen["trajectories"] == gen["agent_episodes"] == 2 * gen["problems"]
+
+
+def test_trees_grown_in_score_around_the_rounds_episodes_label_each_turn(agent_guided):
+    """score.tree.search on an environment: each round's score seeds a tree per problem with its episodes, a path of
+    turns each, and grows it; every episode ends at a leaf whose path is its transcript, every turn gets its node's
+    label, and the PRM trains on those labels."""
+    cfg, store = agent_guided
+    for rnd in (1, 2):
+        score = json.loads(store.committed_run(cfg.experiment, rnd, "score")["metrics_json"])
+        _, [(problems, episodes, turns)] = store.query(
+            "SELECT count(DISTINCT t.problem_id), count(DISTINCT t.trajectory_id), count(*) FROM trajectories t "
+            "JOIN turns u USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = ? AND t.purpose = 'train' "
+            "AND u.role = 'assistant'", [cfg.experiment, rnd])
+        _, paths = store.query(PATHS.replace("trajectory_id IS NOT NULL", "purpose = 'label' AND round = ? AND "
+                                             "trajectory_id IS NOT NULL"), [rnd, cfg.experiment])
+        print(f"round {rnd}: {score['tree_search_trees']:.0f} trees from {episodes} episodes "
+              f"({score['tree_search_seeded']:.0f} seeded turns), grown to {score['tree_search_nodes']:.0f} nodes "
+              f"with {score['tree_search_generated_tokens']:.0f} tokens; {score['tree_tree_steps']:.0f} turns "
+              f"labelled from nodes, {score['tree_misaligned']:.0f} misaligned, {score['tree_pairs']:.0f} pairs")
+        assert score["tree_search_trees"] == problems and score["tree_search_seeded"] > 0
+        assert score["tree_search_nodes"] > score["tree_search_seeded"] + problems  # it grew beyond the seeds
+        assert score["tree_misaligned"] == 0 and score["tree_labelled_trajectories"] == episodes
+        assert score["tree_search_replay_mismatches"] == 0
+        assert paths and all(text == completion + "\n" and bool(correct) == (reward == 1.0)
+                             for _, terminal, reward, text, completion, correct in paths)
+        prm = json.loads(store.committed_run(cfg.experiment, rnd, "train_reward")["metrics_json"])
+        _, [(labelled,)] = store.query(
+            "SELECT count(*) FROM step_labels l JOIN trajectories t USING (trajectory_id) WHERE t.experiment_id = ? "
+            "AND t.round = ? AND l.source = 'tree_hard'", [cfg.experiment, rnd])
+        assert score["tree_tree_steps"] + score["tree_rollout_steps"] == labelled <= turns
+        # the PRM trains on tree labels alone (identical episodes once), this round's and earlier ones'
+        _, reasons = store.query("SELECT DISTINCT reason FROM selections WHERE purpose = 'reward_train' AND selected "
+                                 "AND experiment_id = ? AND round = ?", [cfg.experiment, rnd])
+        assert reasons and all(r.startswith("tree labels") for r, in reasons), reasons
+        assert 0 < prm["prm_labelled_steps"]
 
 
 def test_the_compute_curve_over_turns_lands_in_each_rounds_evaluations(agent_guided):

@@ -228,8 +228,8 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | coevo | {"generate": {"mcts": {"value": "prm"}}}).generate.mcts.value == "prm"
     tree = {"generate": {"mcts": {}}, "score": {"tree": {"pair_margin": 0.25}}}
     assert load_config_dict(base | tree).score.tree.pair_margin == 0.25  # labels from generate's turn trees
-    with pytest.raises(ConfigError, match="does not support score.tree.search yet"):
-        load_config_dict(base | {"score": {"tree": {"search": {"simulations": 4}}}})
+    grown = {"score": {"tree": {"search": {"simulations": 4}}}}  # trees grown in score around sampled episodes
+    assert load_config_dict(base | grown).score.tree.search.simulations == 4
     with pytest.raises(ConfigError, match="does not support filter.check_steps yet"):
         load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
                                          "filter": {"check_steps": True}})
@@ -244,6 +244,6 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | dpo).train_policy.method == "sft+dpo"
     steps = {"filter": {"dpo_pairs": True, "step_dpo_pairs": True}}
     assert load_config_dict(base | dpo | steps | tree).filter.step_dpo_pairs
-    with pytest.raises(ConfigError, match="takes an environment's pairs from its turn trees.*set generate.mcts and "
-                                          "score.tree"):
+    with pytest.raises(ConfigError, match=r"takes an environment's pairs from its turn trees.*set score.tree \(with "
+                                          "generate.mcts or score.tree.search"):
         load_config_dict(base | dpo | steps | first_error)

@@ -201,3 +201,54 @@ def test_prm_guided_turns_redraw_a_turn_the_prm_rejects_and_keep_the_best_draw(e
     assert cut_stats["generated_tokens"] == stats["generated_tokens"] and cut_stats["draws"] == 6
     with pytest.raises(ValueError, match="max_tries must be >= 1"):
         prm_turn_search(env, branching([]), problems, score_steps, n=1, max_tries=0, threshold=0.5)
+
+
+def test_trees_grown_in_score_start_from_the_rounds_episodes_and_label_every_turn(env):
+    """score.tree.search on an environment: each problem's stored episodes seed its tree, a path of turns each; the
+    search resumes seeded turns from their stored conversations and draws beside them; every episode ends at its
+    own leaf, so the tree labels each of its turns and pairs the wrong episode with the right one."""
+    from types import SimpleNamespace
+
+    from components.envs.rollout import episode_steps, run_episodes
+    from components.search.episodes import grow_episode_trees
+    from components.search.training import label_tree_rows, tree_step_labels, tree_step_pairs
+
+    problems = env.sample_problems(3, 2, seed=0)
+    batch, _ = run_episodes(env, branching([]), problems, n=2, experiment="e", round=1, purpose="train",
+                            policy_model_id=None, seed=0)
+    trajs, turns = batch.tables["trajectories"], batch.tables["turns"]
+    correct = {t: r == 1.0 for t, r in batch.rewards.items()}
+    assert sorted(correct.values()) == [False, False, True, True]  # each problem: the right call, and 1+1
+    calls: list[int] = []
+    section = SimpleNamespace(simulations=3, expansions=2, c_puct=1.5, fpu=0.0, max_depth=8, token_budget=None,
+                              rollouts=1)
+    owners, trees, leaf_of, counts = grow_episode_trees(env, branching(calls), {p.problem_id: p for p in problems},
+                                                        trajs, turns, correct, section)
+    assert owners == sorted(problems, key=lambda p: p.prompt)  # a tree per prompt, in prompt order
+    assert counts["trees"] == 2 and counts["seeded"] == 8 and counts["replay_mismatches"] == 0
+    steps = episode_steps(turns)
+    for t in trajs:
+        p, node_id = leaf_of[t["trajectory_id"]]
+        tree = trees[owners.index(p)]
+        leaf = tree.nodes[node_id]
+        assert leaf.terminal and leaf.reward == float(correct[t["trajectory_id"]])
+        assert tree.prefix(node_id) == "".join(s + "\n" for s in steps[t["trajectory_id"]])
+    # The roots' two draws (the right call and 1+1) each joined its seeded turn; then the right call, resumed from its
+    # stored conversation with the calculator replayed, drew its answer twice, joining the seeded answer. The third
+    # simulation selects that answer's terminal leaf again: no call.
+    assert calls == [4, 4]
+    for tree in trees:
+        kids = [tree.nodes[c] for c in tree.nodes[0].children]
+        assert [k.draws for k in kids] == [2, 2] and len(tree.nodes) == 5
+        right = next(k for k in kids if k.q == 1.0)
+        assert right.expanded and tree.nodes[right.children[0]].draws == 3
+    assert counts["generated_tokens"] > 0
+    nodes, placed = label_tree_rows(owners, trees, leaf_of, experiment="e", round=1)
+    labels, stats = tree_step_labels(nodes, trajs, steps, correct, rollouts_valued=True, placed=placed)
+    assert stats["misaligned"] == 0 and stats["labelled_trajectories"] == 4 and stats["tree_steps"] == 8
+    hard = {(r["trajectory_id"], r["step_index"]): r["value"] for r in labels if r["source"] == "tree_hard"}
+    for t in trajs:  # the wrong call is bad from its first turn on; the right episode is good throughout
+        assert [hard[(t["trajectory_id"], i)] for i in range(2)] == [float(correct[t["trajectory_id"]])] * 2
+    pairs = tree_step_pairs(nodes, trajs, correct, margin=0.25, placed=placed)
+    assert sorted(p["step_index"] for p in pairs) == [0, 0]
+    assert all(correct[p["chosen_from"]] and not correct[p["trajectory_id"]] for p in pairs)
