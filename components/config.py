@@ -798,7 +798,6 @@ class ExperimentConfig(_Section):
                              "stored episodes that part at sibling turns; Monte Carlo turn labels keep no winning "
                              "continuation to pair with: set score.tree (with generate.mcts or score.tree.search)")
         unsupported = {f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
-                       "generate.until_correct": self.generate.until_correct is not None,
                        "filter.check_steps": self.filter.check_steps}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
@@ -807,7 +806,7 @@ class ExperimentConfig(_Section):
                              "mc_strategy every_prefix or first_error), turn trees grown in score (score.tree.search), the "
                              "PRM, the implicit PRM, the ORM, best-of-N, PRM-guided turns (generate.search), the "
                              "compute curve over turns (evaluate.search), DPO on episodes and on a turn tree's step "
-                             "pairs, and grpo's step credit work")
+                             "pairs, waves until right (generate.until_correct), and grpo's step credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

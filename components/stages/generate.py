@@ -63,8 +63,6 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if is_agent(domain):
         if g.mcts is not None:
             return _episode_mcts(spec, out, domain, backend, inp, problems, t0)
-        if inp.search_prm_uri:
-            return _episode_search(spec, out, domain, backend, inp, problems, t0)
         return _episodes(spec, out, domain, backend, inp, problems, t0)
     if g.mcts is not None:
         return _mcts(spec, out, domain, backend, inp, problems, t0)
@@ -101,67 +99,69 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,
               ) -> dict[str, float]:
-    """An environment's round: `samples_per_problem` episodes per problem, every live one stepped in one batch."""
-    from components.envs.rollout import run_episodes
+    """An environment's round: `samples_per_problem` episodes per problem, every live one stepped in one batch,
+    plainly or (generate.search, once a PRM exists) each turn drawn until the previous round's PRM accepts it
+    (`prm_turn_search`); with generate.until_correct, in waves until enough are right."""
+    from components.envs.rollout import EpisodeBatch, episode_stats, episodes_until_right, run_episodes
+    from components.search.episodes import prm_turn_search
 
     g = spec.cfg().generate
-    sampler = agent_sampler(backend, inp.policy_uri, temperature=g.temperature, top_p=g.top_p,
-                            max_new_tokens=g.max_new_tokens, seed=spec.seed)
-    batch, stats = run_episodes(env, sampler, problems, n=g.samples_per_problem, experiment=spec.experiment,
-                                round=spec.round, purpose="train", policy_model_id=inp.policy_model_id, seed=spec.seed,
-                                temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens)
+    samplers = []
+
+    def sampler(seed: int, temperature: float = g.temperature):
+        samplers.append(agent_sampler(backend, inp.policy_uri, temperature=temperature, top_p=g.top_p,
+                                      max_new_tokens=g.max_new_tokens, seed=seed))
+        return samplers[-1]
+
+    meta = dict(experiment=spec.experiment, round=spec.round, purpose="train", policy_model_id=inp.policy_model_id,
+                temperature=g.temperature, top_p=g.top_p, max_new_tokens=g.max_new_tokens)
+    prm = reward_model_of(spec, "prm", inp.search_prm_uri) if inp.search_prm_uri else None
+    s, searched = g.search, {}
+    if prm is not None:
+        if hasattr(backend, "progress"):
+            backend.progress = False  # its per-call counts, a call per try, would drown the search's
+        log("generate", f"PRM-guided turns ({inp.search_prm_id}): up to {s.max_tries} draws per turn, keep at P(good) "
+                        f">= {s.threshold}" + (f", redraw at temperature {s.redraw_temperature}"
+                                               if s.redraw_temperature is not None else ""))
+
+    def run_wave(pending: list, k: int, seed: int, first: int) -> EpisodeBatch:
+        if prm is None:
+            return run_episodes(env, sampler(seed), pending, n=k, seed=seed, first_sample_index=first, **meta)[0]
+        redraw = None if s.redraw_temperature is None else sampler(
+            derive_seed(seed, spec.round, "generate.redraw"), s.redraw_temperature)
+        records, got = prm_turn_search(env, sampler(seed), pending, prm.score_steps, n=k, max_tries=s.max_tries,
+                                       threshold=s.threshold, max_steps=s.max_steps, redraw=redraw)
+        for key, v in got.items():  # summed over waves
+            searched[key] = searched.get(key, 0) + v
+        batch = EpisodeBatch()
+        for j, rec in enumerate(records):
+            batch.add_episode(env, rec, first + j % k, seed=seed, **meta)
+        return batch
+
+    waves: dict[str, float] = {}
+    if g.until_correct is None:
+        batch = run_wave(problems, g.samples_per_problem, spec.seed, 0)
+        stats = episode_stats(batch.records)
+    else:
+        batch, stats, waves = episodes_until_right(run_wave, problems, want=g.until_correct, wave_size=g.wave_size,
+                                                   n=g.samples_per_problem, seed=spec.seed,
+                                                   progress=lambda msg: log("generate", msg))
     dt = time.perf_counter() - t0
     write(out, **batch.tables)
     tokens = sum(t["num_tokens"] for t in batch.trajectories)
     log("generate", f"{len(batch.trajectories)} episodes, {int(stats['assistant_turns'])} assistant turns, "
                     f"{int(stats['tool_calls'])} tool calls ({int(stats['tool_errors'])} failed), {tokens} tokens in "
                     f"{dt:.1f}s; {stats['env_share']:.0%} of the loop's time in the environment")
+    if searched:
+        log("generate", f"search: {searched['steps']} guided turns from {searched['draws']} draws "
+                        f"({searched['redraws']} redrawn, {searched['accepted_below_threshold']} kept below "
+                        f"threshold), {searched['discarded_tokens']} tokens discarded")
     return ({"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": tokens,
-             "tokens_per_s": tokens / max(dt, 1e-9), "prompt_tokens": sampler.prompt_tokens,
-             "context_full": sampler.context_full} | {f"agent_{k}": float(v) for k, v in stats.items()}
-            | backend_metrics(backend))
-
-
-def _episode_search(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,
-                    ) -> dict[str, float]:
-    """generate.search on an environment: `samples_per_problem` episodes per problem, each turn drawn until the
-    previous round's PRM accepts it (components/search/episodes.py, `prm_turn_search`)."""
-    from components.envs.rollout import EpisodeBatch, episode_stats
-    from components.search.episodes import prm_turn_search
-
-    g = spec.cfg().generate
-    s = g.search
-    prm = reward_model_of(spec, "prm", inp.search_prm_uri)
-    log("generate", f"PRM-guided turns ({inp.search_prm_id}): up to {s.max_tries} draws per turn, keep at P(good) >= "
-                    f"{s.threshold}" + (f", redraw at temperature {s.redraw_temperature}"
-                                        if s.redraw_temperature is not None else ""))
-    if hasattr(backend, "progress"):
-        backend.progress = False
-    kw = dict(top_p=g.top_p, max_new_tokens=g.max_new_tokens)
-    sampler = agent_sampler(backend, inp.policy_uri, temperature=g.temperature, seed=spec.seed, **kw)
-    redraw = None if s.redraw_temperature is None else agent_sampler(
-        backend, inp.policy_uri, temperature=s.redraw_temperature,
-        seed=derive_seed(spec.seed, spec.round, "generate.redraw"), **kw)
-    records, stats = prm_turn_search(env, sampler, problems, prm.score_steps, n=g.samples_per_problem,
-                                     max_tries=s.max_tries, threshold=s.threshold, max_steps=s.max_steps,
-                                     redraw=redraw)
-    dt = time.perf_counter() - t0
-    batch = EpisodeBatch()
-    meta = dict(experiment=spec.experiment, round=spec.round, purpose="train", policy_model_id=inp.policy_model_id,
-                temperature=g.temperature, seed=spec.seed, **kw)
-    for k, rec in enumerate(records):
-        batch.add_episode(env, rec, k % g.samples_per_problem, **meta)
-    write(out, **batch.tables)
-    tokens = sum(t["num_tokens"] for t in batch.trajectories)
-    log("generate", f"{len(batch.trajectories)} episodes, {stats['steps']} guided turns from {stats['draws']} draws "
-                    f"({stats['redraws']} redrawn, {stats['accepted_below_threshold']} kept below threshold), "
-                    f"{tokens} tokens kept and {stats['discarded_tokens']} discarded in {dt:.1f}s")
-    prompt_tokens = sampler.prompt_tokens + (redraw.prompt_tokens if redraw else 0)
-    return ({"trajectories": len(batch.trajectories), "problems": len(problems), "tokens": tokens,
-             "tokens_per_s": stats["generated_tokens"] / max(dt, 1e-9), "prompt_tokens": prompt_tokens,
-             "context_full": sampler.context_full + (redraw.context_full if redraw else 0)}
-            | {f"agent_{k}": float(v) for k, v in episode_stats(batch.records).items()}
-            | {f"search_{k}": float(v) for k, v in stats.items()} | backend_metrics(backend))
+             "tokens_per_s": searched.get("generated_tokens", tokens) / max(dt, 1e-9),
+             "prompt_tokens": sum(x.prompt_tokens for x in samplers),
+             "context_full": sum(x.context_full for x in samplers)}
+            | {f"agent_{k}": float(v) for k, v in stats.items()} | {f"adaptive_{k}": float(v) for k, v in waves.items()}
+            | {f"search_{k}": float(v) for k, v in searched.items()} | backend_metrics(backend))
 
 
 def _episode_mcts(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs, problems: list, t0: float,

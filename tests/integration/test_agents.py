@@ -95,20 +95,22 @@ def agent_mcts(agent_run):
         "train_policy.dpo.batch_size=2", "train_policy.dpo.max_length=512"])
 
 
-GUIDED_THRESHOLD = 0.75  # within what round 1's PRM gives these turns: some draws pass, some are redrawn
+GUIDED_THRESHOLD = 0.5  # within what round 1's PRM gives these turns (0.1 to 0.7): some pass, some are redrawn
 
 
 @pytest.fixture(scope="module")
 def agent_guided(agent_run):
-    """generate.search, score.tree.search and evaluate.search on the same environment, from agent_run's round-0
-    policy, recipe coevo: round 1 samples plainly; round 2 draws each turn until round 1's PRM accepts it. Each
-    round's score grows a tree over turns around its episodes (valued by rollouts, then by round 1's PRM), and
-    the PRM trains on the labels it gives each turn. Each round's evaluation draws its compute curve over turns
+    """generate.search, generate.until_correct, score.tree.search and evaluate.search on the same environment, from
+    agent_run's round-0 policy, recipe coevo: each round runs an episode a problem, then a second wave for the
+    problems whose first was wrong; round 1 samples plainly, round 2 draws each turn until round 1's PRM accepts
+    it. Each round's score grows a tree over turns around its episodes (valued by rollouts, then by round 1's PRM),
+    and the PRM trains on the labels it gives each turn. Each round's evaluation draws its compute curve over turns
     (beam search and MCTS guided by the round's PRM) on two held-out problems."""
     return from_round_zero(agent_run, "calc-guided", 2, "coevo", [
-        "generate.problems_per_level=3", "generate.samples_per_problem=2",
+        "generate.problems_per_level=4", "generate.samples_per_problem=2", "generate.until_correct=1",
+        "generate.temperature=1.2",  # hot enough for wrong episodes: a second wave, and bad turns for the PRM
         "domain.options={test_size: 40, max_level: 1}",
-        f"generate.search={{max_tries: 2, threshold: {GUIDED_THRESHOLD}, redraw_temperature: 1.2}}",
+        f"generate.search={{max_tries: 2, threshold: {GUIDED_THRESHOLD}, redraw_temperature: 1.5}}",
         "score.tree={search: {simulations: 3, expansions: 2, rollouts: 1, value: prm}}",
         "train_reward.label_source=tree_hard", "score.reward_model=prm", "train_reward.enabled=true",
         "train_reward.steps=10", "train_policy.steps=2", "evaluate.problems_per_level=2", "evaluate.maj_k=1",
@@ -279,7 +281,31 @@ def test_prm_guided_turns_keep_a_draw_below_the_threshold_only_after_max_tries(a
     assert gen["search_steps"] == len(scores) > 0 and gen["search_accepted_below_threshold"] == below
     assert gen["search_draws"] == gen["search_steps"] + gen["search_redraws"] and gen["search_redraws"] > 0
     assert gen["search_generated_tokens"] == gen["tokens"] + gen["search_discarded_tokens"]
-    assert gen["trajectories"] == gen["agent_episodes"] == 2 * gen["problems"]
+    assert gen["trajectories"] == gen["agent_episodes"] == len(ids)
+
+
+def test_until_correct_runs_a_second_wave_only_for_problems_whose_first_episode_was_wrong(agent_guided):
+    """generate.until_correct=1 on an environment, plain (round 1) and PRM-guided (round 2): wave 0 runs one
+    episode a problem; wave 1 runs another for exactly the problems the environment scored wrong in wave 0."""
+    cfg, store = agent_guided
+    for rnd in (1, 2):
+        gen = json.loads(store.committed_run(cfg.experiment, rnd, "generate")["metrics_json"])
+        _, [(problems, wrong_first, second, right_after)] = store.query(
+            "SELECT count(DISTINCT t.problem_id), count(*) FILTER (WHERE t.sample_index = 0 AND NOT v.correct), "
+            "count(*) FILTER (WHERE t.sample_index = 1), count(DISTINCT t.problem_id) FILTER (WHERE v.correct) "
+            "FROM trajectories t JOIN verifications v USING (trajectory_id) WHERE t.experiment_id = ? "
+            "AND t.round = ? AND t.purpose = 'train'", [cfg.experiment, rnd])
+        _, [(second_of_wrong,)] = store.query(
+            "SELECT count(*) FROM trajectories b JOIN trajectories a ON a.problem_id = b.problem_id AND "
+            "a.experiment_id = b.experiment_id AND a.round = b.round AND a.purpose = b.purpose AND a.sample_index = 0 "
+            "JOIN verifications v ON v.trajectory_id = a.trajectory_id WHERE b.experiment_id = ? AND b.round = ? "
+            "AND b.purpose = 'train' AND b.sample_index = 1 AND NOT v.correct", [cfg.experiment, rnd])
+        print(f"round {rnd}: {problems} problems, {wrong_first} wrong in wave 0, {second} in wave 1; "
+              f"{right_after} with a right episode after {gen['adaptive_waves']:.0f} waves")
+        assert gen["adaptive_wave0_problems"] == problems == gen["problems"]
+        assert gen.get("adaptive_wave1_problems", 0) == wrong_first == second == second_of_wrong
+        assert gen["adaptive_waves"] == (2 if wrong_first else 1) and gen["trajectories"] == problems + second
+        assert gen["adaptive_unmet"] == problems - right_after
 
 
 def test_trees_grown_in_score_around_the_rounds_episodes_label_each_turn(agent_guided):
@@ -298,7 +324,8 @@ def test_trees_grown_in_score_around_the_rounds_episodes_label_each_turn(agent_g
         print(f"round {rnd}: {score['tree_search_trees']:.0f} trees from {episodes} episodes "
               f"({score['tree_search_seeded']:.0f} seeded turns), grown to {score['tree_search_nodes']:.0f} nodes "
               f"with {score['tree_search_generated_tokens']:.0f} tokens; {score['tree_tree_steps']:.0f} turns "
-              f"labelled from nodes, {score['tree_misaligned']:.0f} misaligned, {score['tree_pairs']:.0f} pairs")
+              f"labelled from nodes, {score['tree_unsolved']:.0f} episodes in unsolved trees, "
+              f"{score['tree_misaligned']:.0f} misaligned, {score['tree_pairs']:.0f} pairs")
         assert score["tree_search_trees"] == problems and score["tree_search_seeded"] > 0
         assert score["tree_search_nodes"] > score["tree_search_seeded"] + problems  # it grew beyond the seeds
         assert score["tree_misaligned"] == 0 and score["tree_labelled_trajectories"] == episodes
@@ -309,7 +336,8 @@ def test_trees_grown_in_score_around_the_rounds_episodes_label_each_turn(agent_g
         _, [(labelled,)] = store.query(
             "SELECT count(*) FROM step_labels l JOIN trajectories t USING (trajectory_id) WHERE t.experiment_id = ? "
             "AND t.round = ? AND l.source = 'tree_hard'", [cfg.experiment, rnd])
-        assert score["tree_tree_steps"] + score["tree_rollout_steps"] == labelled <= turns
+        # an answer in a tree with no right episode known gets its last turn labelled alone
+        assert score["tree_tree_steps"] + score["tree_rollout_steps"] + score["tree_unsolved"] == labelled <= turns
         # the PRM trains on tree labels alone (identical episodes once), this round's and earlier ones'
         _, reasons = store.query("SELECT DISTINCT reason FROM selections WHERE purpose = 'reward_train' AND selected "
                                  "AND experiment_id = ? AND round = ?", [cfg.experiment, rnd])

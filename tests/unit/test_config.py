@@ -221,8 +221,9 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | coevo | orm).train_reward.orm  # the ORM reads an episode's transcript
     guided = {"generate": {"search": {"max_tries": 2}}}  # each turn drawn until the previous round's PRM accepts it
     assert load_config_dict(base | coevo | guided).generate.search.max_tries == 2
-    with pytest.raises(ConfigError, match="does not support generate.until_correct yet"):
-        load_config_dict(base | {"generate": {"until_correct": 1}})
+    waves = {"generate": {"until_correct": 1, "samples_per_problem": 4, "wave_size": 2}}  # episodes in waves
+    assert load_config_dict(base | waves).generate.until_correct == 1
+    assert load_config_dict(base | coevo | {"generate": waves["generate"] | guided["generate"]}).generate.search
     # MCTS over turns, valued by rollouts or by the previous round's PRM
     assert load_config_dict(base | {"generate": {"mcts": {"simulations": 4}}}).generate.mcts.simulations == 4
     assert load_config_dict(base | coevo | {"generate": {"mcts": {"value": "prm"}}}).generate.mcts.value == "prm"

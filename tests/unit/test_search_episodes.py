@@ -252,3 +252,32 @@ def test_trees_grown_in_score_start_from_the_rounds_episodes_and_label_every_tur
     pairs = tree_step_pairs(nodes, trajs, correct, margin=0.25, placed=placed)
     assert sorted(p["step_index"] for p in pairs) == [0, 0]
     assert all(correct[p["chosen_from"]] and not correct[p["trajectory_id"]] for p in pairs)
+
+
+def test_until_correct_runs_episodes_in_waves_for_the_problems_short_of_right_ones(env):
+    """generate.until_correct on an environment: each wave runs more episodes only for the problems with fewer
+    than `want` right ones, each wave with its own seed, sample indices running on, until n per problem ran."""
+    from components.envs.rollout import episodes_until_right, run_episodes
+    from components.seeding import seed_stream
+
+    problems = env.sample_problems(3, 2, seed=0)
+    seeds, sizes = [], []
+
+    def run_wave(pending, k, seed, first):
+        # the first problem's episode takes the even place of each batch: right; the second's calls 1+1
+        seeds.append(seed)
+        return run_episodes(env, branching(sizes), pending, n=k, experiment="e", round=1, purpose="train",
+                            policy_model_id=None, seed=seed, first_sample_index=first)[0]
+
+    batch, stats, waves = episodes_until_right(run_wave, problems, want=2, wave_size=1, n=3, seed=7)
+    # wave 0 and 1: both problems (the first right each time, the second wrong); wave 2: the second alone, now at
+    # the even place, right; it stays one short of 2 right, and n=3 is reached
+    assert seeds == [7, seed_stream(7, 1), seed_stream(7, 2)] and sizes == [2, 2, 2, 2, 1, 1]
+    assert waves == {"wave0_problems": 2, "wave0_tokens": waves["wave0_tokens"], "wave1_problems": 2,
+                     "wave1_tokens": waves["wave1_tokens"], "wave2_problems": 1, "wave2_tokens": waves["wave2_tokens"],
+                     "waves": 3, "unmet": 1}
+    got = sorted((t["problem_id"] == problems[0].problem_id, t["sample_index"], batch.rewards[t["trajectory_id"]])
+                 for t in batch.trajectories)
+    assert got == [(False, 0, 0.0), (False, 1, 0.0), (False, 2, 1.0), (True, 0, 1.0), (True, 1, 1.0)]
+    assert len({t["trajectory_id"] for t in batch.trajectories}) == 5 and stats["episodes"] == 5
+    assert len(batch.tables["problems"]) == 2
