@@ -539,6 +539,54 @@ def test_every_turn_of_every_episode_is_stored_with_its_sampled_ids(agent_run):
     assert by[(1, "eval")][0] == 5 * 6 * (1 + cfg.evaluate.maj_k)
 
 
+def test_the_agent_loop_samples_through_vllm_as_through_hf(prefect_server, tmp_path_factory):
+    """generate.backend=vllm on an environment: round 0's held-out episodes of one policy (a `--size micro`
+    stand-in, as vLLM's CPU attention needs a head of 32 or more, after a short bootstrap on HF), through the vLLM
+    engine in .venv-vllm and through HF. Greedy episodes (both in float32) agree turn for turn but where two logits
+    tie to rounding; every sampled turn keeps the ids vLLM drew, which decode to the turn's text."""
+    from transformers import AutoTokenizer
+
+    from flows.evolution import self_evolution
+
+    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+        pytest.fail(".venv-vllm is missing: `make vllm` builds it (make test does)")
+    w = tmp_path_factory.mktemp("agents-vllm")
+    model = w / "standin-calculator"
+    run_coevo("build-model", str(model), "--domain", "calculator", "--size", "micro", "--per-level", "100", check=True)
+    config = REPO / "configs" / "calculator.yaml"
+    base = [f"workdir={w}", "rounds=0", "bootstrap.levels=[1, 2]", "bootstrap.seed_levels=[]",
+            "bootstrap.problems_per_level=60", "evaluate.levels=[1, 2]", "evaluate.problems_per_level=4",
+            "evaluate.maj_k=2"]
+    runs = {}
+    for name, extra in (("hf", [f"policy.model={model}", "bootstrap.steps=150"]),
+                        ("vllm", ["generate.backend=vllm", "bootstrap.steps=0"])):
+        if name == "vllm":  # the same weights: HF's round-0 policy, copied as round 0
+            extra.append(f"policy.model={runs['hf'][1].committed_model('calc-hf', 0, 'policy')['uri']}")
+        overrides = [*base, f"experiment=calc-{name}", *extra]
+        self_evolution(config_path=str(config), overrides=overrides)
+        runs[name] = (load_config(config, overrides), Store.for_config(load_config(config, overrides)))
+    q = ("SELECT t.problem_id, t.sample_index, t.completion, v.correct FROM trajectories t JOIN verifications v "
+         "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 0 AND t.purpose = 'eval' ORDER BY 1, 2")
+    (hcfg, store), (vcfg, vstore) = runs["hf"], runs["vllm"]
+    hf, vl = store.query(q, [hcfg.experiment])[1], vstore.query(q, [vcfg.experiment])[1]
+    assert [r[:2] for r in hf] == [r[:2] for r in vl] and len(hf) == 2 * 4 * 3  # greedy + 2 sampled
+    greedy = [(h, v) for h, v in zip(hf, vl) if h[1] == 0]
+    same = sum(h[2] == v[2] for h, v in greedy)
+    print(f"round 0 through vLLM: {same} of {len(greedy)} greedy episodes as through HF; right: HF "
+          f"{sum(h[3] for h in hf)}, vLLM {sum(v[3] for v in vl)} of {len(hf)}; e.g. {vl[0][2]!r}")
+    assert same >= 0.75 * len(greedy)
+    _, turns = vstore.query("SELECT u.content, u.token_ids FROM turns u JOIN trajectories t USING (trajectory_id) "
+                            "WHERE t.experiment_id = ? AND u.role = 'assistant' AND t.purpose = 'eval'",
+                            [vcfg.experiment])
+    tok = AutoTokenizer.from_pretrained(vstore.committed_model(vcfg.experiment, 0, "policy")["uri"])
+    assert turns and all(ids and tok.decode(ids, skip_special_tokens=True).strip() == text.strip()
+                         for text, ids in turns)
+    metrics = json.loads(vstore.committed_run(vcfg.experiment, 0, "evaluate")["metrics_json"])
+    assert metrics["engine_prefix_cache_queries"] > 0 and metrics["agent_episodes"] == len(vl)
+    assert "engine_prefix_cache_queries" not in json.loads(
+        store.committed_run(hcfg.experiment, 0, "evaluate")["metrics_json"])
+
+
 def test_episodes_are_verified_by_running_their_answers(agent_run):
     cfg, store = agent_run
     # The verify stage re-scored each episode's last turn with the environment: its verdict is the loop's reward.
