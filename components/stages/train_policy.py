@@ -284,8 +284,10 @@ def round_pairs(spec: StageSpec) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 def _turn_pair(chats: dict[str, list[dict[str, Any]]], sp: dict[str, Any]) -> dict[str, Any]:
     """A step pair of an environment (from a turn tree): the right episode's chat against the wrong one's. Their
-    first `step_index` assistant turns, with what the environment answered, are the same nodes, so they are the
-    same messages with the same sampled ids, and cancel in the DPO margin as a text pair's shared prefix does."""
+    first `step_index` assistant turns, with what the environment answered, are the same nodes, so the same
+    messages, and cancel in the DPO margin as a text pair's shared prefix does. (Each side keeps its own sampled
+    ids: two episodes seeded into one node by score.tree.search wrote the same text, not always with the same
+    tokens.)"""
     right, wrong = sp["chosen_from"], sp["trajectory_id"]
     if right not in chats or wrong not in chats:
         raise RuntimeError(f"step pair of {wrong}: {right if right not in chats else wrong} has no stored turns "
@@ -293,7 +295,7 @@ def _turn_pair(chats: dict[str, list[dict[str, Any]]], sp: dict[str, Any]) -> di
     c, r = chats[right], chats[wrong]
     starts = [i for i, m in enumerate(r) if m["role"] == "assistant"]
     cut = starts[sp["step_index"]] if sp["step_index"] < len(starts) else len(r)
-    if c[:cut] != r[:cut]:
+    if [(m["role"], m["content"].strip()) for m in c[:cut]] != [(m["role"], m["content"].strip()) for m in r[:cut]]:
         raise RuntimeError(f"step pair of {wrong}: its first {sp['step_index']} turns differ from {right}'s, "
                            "though the tree says they share them")
     return {"chosen": c, "rejected": r}

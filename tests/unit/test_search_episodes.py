@@ -281,3 +281,20 @@ def test_until_correct_runs_episodes_in_waves_for_the_problems_short_of_right_on
     assert got == [(False, 0, 0.0), (False, 1, 0.0), (False, 2, 1.0), (True, 0, 1.0), (True, 1, 1.0)]
     assert len({t["trajectory_id"] for t in batch.trajectories}) == 5 and stats["episodes"] == 5
     assert len(batch.tables["problems"]) == 2
+
+
+def test_a_turn_trees_step_pair_is_two_chats_that_share_their_turns_up_to_where_they_part():
+    from components.stages.train_policy import _turn_pair
+
+    opening = [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 3*4?"}]
+    call = [{"role": "assistant", "content": "call 3*4", "token_ids": [1, 2]}, {"role": "tool", "content": "12"}]
+    right = opening + call + [{"role": "assistant", "content": "#### 12", "token_ids": [3]}]
+    wrong = opening + [{"role": "assistant", "content": "call 3*4 ", "token_ids": [1, 2, 9]},
+                       {"role": "tool", "content": "12"}, {"role": "assistant", "content": "#### 13"}]
+    sp = {"trajectory_id": "w", "chosen_from": "r", "step_index": 1}
+    # the same turn text (up to whitespace), sampled with other ids: one node of a seeded tree
+    assert _turn_pair({"r": right, "w": wrong}, sp) == {"chosen": right, "rejected": wrong}
+    with pytest.raises(RuntimeError, match="step pair of w: its first 1 turns differ from r's"):
+        _turn_pair({"r": right, "w": opening + [{"role": "assistant", "content": "call 1+1"}] + wrong[3:]}, sp)
+    with pytest.raises(RuntimeError, match="step pair of w: r has no stored turns"):
+        _turn_pair({"w": wrong}, sp)
