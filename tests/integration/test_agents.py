@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -539,16 +540,19 @@ def test_every_turn_of_every_episode_is_stored_with_its_sampled_ids(agent_run):
     assert by[(1, "eval")][0] == 5 * 6 * (1 + cfg.evaluate.maj_k)
 
 
-def test_the_agent_loop_samples_through_vllm_as_through_hf(prefect_server, tmp_path_factory):
-    """generate.backend=vllm on an environment: round 0's held-out episodes of one policy (a `--size micro`
-    stand-in, as vLLM's CPU attention needs a head of 32 or more, after a short bootstrap on HF), through the vLLM
-    engine in .venv-vllm and through HF. Greedy episodes (both in float32) agree turn for turn but where two logits
-    tie to rounding; every sampled turn keeps the ids vLLM drew, which decode to the turn's text."""
+def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefect_server, tmp_path_factory):
+    """generate.backend=vllm and generate.backend=openai on an environment: round 0's held-out episodes of one policy
+    (a `--size micro` stand-in, as vLLM's CPU attention needs a head of 32 or more, after a short bootstrap on HF),
+    through HF, through the vLLM engine in .venv-vllm, and through a `vllm serve` of it. Greedy episodes (all in
+    float32) agree turn for turn but where two logits tie to rounding; every sampled turn keeps the ids the engine
+    drew, which decode to the turn's text."""
     from transformers import AutoTokenizer
 
+    from components.servers import free_port, vllm_serve
     from flows.evolution import self_evolution
 
-    if not (REPO / ".venv-vllm" / "bin" / "python").exists():
+    vllm_python = REPO / ".venv-vllm" / "bin" / "python"
+    if not vllm_python.exists():
         pytest.fail(".venv-vllm is missing: `make vllm` builds it (make test does)")
     w = tmp_path_factory.mktemp("agents-vllm")
     model = w / "standin-calculator"
@@ -558,33 +562,47 @@ def test_the_agent_loop_samples_through_vllm_as_through_hf(prefect_server, tmp_p
             "bootstrap.problems_per_level=60", "evaluate.levels=[1, 2]", "evaluate.problems_per_level=4",
             "evaluate.maj_k=2"]
     runs = {}
-    for name, extra in (("hf", [f"policy.model={model}", "bootstrap.steps=150"]),
-                        ("vllm", ["generate.backend=vllm", "bootstrap.steps=0"])):
-        if name == "vllm":  # the same weights: HF's round-0 policy, copied as round 0
-            extra.append(f"policy.model={runs['hf'][1].committed_model('calc-hf', 0, 'policy')['uri']}")
+
+    def run(name: str, extra: list[str]) -> None:
         overrides = [*base, f"experiment=calc-{name}", *extra]
         self_evolution(config_path=str(config), overrides=overrides)
         runs[name] = (load_config(config, overrides), Store.for_config(load_config(config, overrides)))
+
+    run("hf", [f"policy.model={model}", "bootstrap.steps=150"])
+    trained = runs["hf"][1].committed_model("calc-hf", 0, "policy")["uri"]  # the same weights, copied as round 0
+    run("vllm", ["generate.backend=vllm", "bootstrap.steps=0", f"policy.model={trained}"])
+    port = free_port()
+    server = vllm_serve(trained, port, w / "serve.log", python=vllm_python, kv_cache_gib=1)
+    try:
+        run("openai", ["generate.backend=openai", "bootstrap.steps=0", f"policy.model={trained}",
+                       f'generate.backend_options={{"base_url": "http://127.0.0.1:{port}/v1", "timeout_s": 60}}'])
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
     q = ("SELECT t.problem_id, t.sample_index, t.completion, v.correct FROM trajectories t JOIN verifications v "
          "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 0 AND t.purpose = 'eval' ORDER BY 1, 2")
-    (hcfg, store), (vcfg, vstore) = runs["hf"], runs["vllm"]
-    hf, vl = store.query(q, [hcfg.experiment])[1], vstore.query(q, [vcfg.experiment])[1]
-    assert [r[:2] for r in hf] == [r[:2] for r in vl] and len(hf) == 2 * 4 * 3  # greedy + 2 sampled
-    greedy = [(h, v) for h, v in zip(hf, vl) if h[1] == 0]
-    same = sum(h[2] == v[2] for h, v in greedy)
-    print(f"round 0 through vLLM: {same} of {len(greedy)} greedy episodes as through HF; right: HF "
-          f"{sum(h[3] for h in hf)}, vLLM {sum(v[3] for v in vl)} of {len(hf)}; e.g. {vl[0][2]!r}")
-    assert same >= 0.75 * len(greedy)
-    _, turns = vstore.query("SELECT u.content, u.token_ids FROM turns u JOIN trajectories t USING (trajectory_id) "
-                            "WHERE t.experiment_id = ? AND u.role = 'assistant' AND t.purpose = 'eval'",
-                            [vcfg.experiment])
-    tok = AutoTokenizer.from_pretrained(vstore.committed_model(vcfg.experiment, 0, "policy")["uri"])
-    assert turns and all(ids and tok.decode(ids, skip_special_tokens=True).strip() == text.strip()
-                         for text, ids in turns)
-    metrics = json.loads(vstore.committed_run(vcfg.experiment, 0, "evaluate")["metrics_json"])
-    assert metrics["engine_prefix_cache_queries"] > 0 and metrics["agent_episodes"] == len(vl)
-    assert "engine_prefix_cache_queries" not in json.loads(
-        store.committed_run(hcfg.experiment, 0, "evaluate")["metrics_json"])
+    got = {name: store.query(q, [cfg.experiment])[1] for name, (cfg, store) in runs.items()}
+    hf = got["hf"]
+    assert len(hf) == 2 * 4 * 3  # 2 levels x 4 problems: greedy + 2 sampled
+    tok = AutoTokenizer.from_pretrained(trained)
+    for name in ("vllm", "openai"):
+        cfg, store = runs[name]
+        assert [r[:2] for r in got[name]] == [r[:2] for r in hf], name
+        greedy = [(h, v) for h, v in zip(hf, got[name]) if h[1] == 0]
+        same = sum(h[2] == v[2] for h, v in greedy)
+        print(f"round 0 through {name}: {same} of {len(greedy)} greedy episodes as through HF; right: HF "
+              f"{sum(h[3] for h in hf)}, {name} {sum(v[3] for v in got[name])} of {len(hf)}; "
+              f"e.g. {got[name][0][2]!r}")
+        assert same >= 0.75 * len(greedy), name
+        _, turns = store.query("SELECT u.content, u.token_ids FROM turns u JOIN trajectories t USING (trajectory_id) "
+                               "WHERE t.experiment_id = ? AND u.role = 'assistant' AND t.purpose = 'eval'",
+                               [cfg.experiment])
+        assert turns and all(ids and tok.decode(ids, skip_special_tokens=True).strip() == text.strip()
+                             for text, ids in turns), name
+        metrics = json.loads(store.committed_run(cfg.experiment, 0, "evaluate")["metrics_json"])
+        assert metrics["agent_episodes"] == len(hf), name
+    vllm_metrics = json.loads(runs["vllm"][1].committed_run("calc-vllm", 0, "evaluate")["metrics_json"])
+    assert vllm_metrics["engine_prefix_cache_queries"] > 0
 
 
 def test_episodes_are_verified_by_running_their_answers(agent_run):
