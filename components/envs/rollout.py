@@ -74,12 +74,20 @@ def run_episodes(env: Any, generate: Any, problems: list[Problem], *, n: int, ex
     environment and in generation)."""
     episodes = [(p, env.episode(p)) for p in problems for _ in range(n)]
     records = EpisodeRunner(generate, toolcalls.parse, env.limits).run(episodes)
+    batch = episode_batch(env, records, n, first_sample_index, experiment=experiment, round=round, purpose=purpose,
+                          policy_model_id=policy_model_id, temperature=temperature, top_p=top_p,
+                          max_new_tokens=max_new_tokens, seed=seed)
+    return batch, episode_stats(records)
+
+
+def episode_batch(env: Any, records: list[EpisodeRecord], n: int, first_sample_index: int = 0,
+                  **meta: Any) -> EpisodeBatch:
+    """Records of `n` episodes per problem, problem by problem, as a batch: sample indices from
+    `first_sample_index`. `meta` as `EpisodeBatch.add_episode` takes it."""
     batch = EpisodeBatch()
-    meta = dict(experiment=experiment, round=round, purpose=purpose, policy_model_id=policy_model_id,
-                temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
     for k, rec in enumerate(records):
         batch.add_episode(env, rec, first_sample_index + k % n, **meta)
-    return batch, episode_stats(records)
+    return batch
 
 
 def episodes_until_right(run_wave: Callable[[list[Problem], int, int, int], EpisodeBatch], problems: list[Problem],

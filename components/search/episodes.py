@@ -51,6 +51,8 @@ class _State:
     reward: float
     error: str | None = None
 
+    right = EpisodeRecord.right  # it answered, and the environment scored the answer right
+
 
 def turn_text(turns: list[Turn]) -> str:
     """A node's text: its assistant turn and the observations after it, as `rollout.episode_steps` marks them.
@@ -245,8 +247,7 @@ class EpisodeSearches:
         """Whether each (prompt, prefix)'s episode answered right, run on greedily where it had not ended; and the
         tokens that took."""
         states, todo = self.search.states, [i for i, e in enumerate(ended) if not e]
-        right = [e and key in states and states[key].status == "done" and states[key].reward >= 1.0
-                 for key, e in zip(keys, ended)]
+        right = [e and key in states and states[key].right for key, e in zip(keys, ended)]
         if not todo:
             return right, 0
         runner = EpisodeRunner(self.sampler(0.0, self._seed + 1), toolcalls.parse, self.env.limits)

@@ -102,7 +102,8 @@ def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs
     """An environment's round: `samples_per_problem` episodes per problem, every live one stepped in one batch,
     plainly or (generate.search, once a PRM exists) each turn drawn until the previous round's PRM accepts it
     (`prm_turn_search`); with generate.until_correct, in waves until enough are right."""
-    from components.envs.rollout import EpisodeBatch, episode_stats, episodes_until_right, run_episodes
+    from components.envs.rollout import (EpisodeBatch, episode_batch, episode_stats, episodes_until_right,
+                                         run_episodes)
     from components.search.episodes import prm_turn_search
 
     g = spec.cfg().generate
@@ -133,10 +134,7 @@ def _episodes(spec: StageSpec, out: StageOutputWriter, env, backend, inp: Inputs
                                        threshold=s.threshold, max_steps=s.max_steps, redraw=redraw)
         for key, v in got.items():  # summed over waves
             searched[key] = searched.get(key, 0) + v
-        batch = EpisodeBatch()
-        for j, rec in enumerate(records):
-            batch.add_episode(env, rec, first + j % k, seed=seed, **meta)
-        return batch
+        return episode_batch(env, records, k, first, seed=seed, **meta)
 
     waves: dict[str, float] = {}
     if g.until_correct is None:
