@@ -47,7 +47,7 @@ sys.path.insert(0, str(REPO))
 
 from components.manifest import Manifest, StageOutputWriter, part_path, read_manifest, sha256_file  # noqa: E402
 from components.store import StageRunRef, Store  # noqa: E402
-from components.tables import SCHEMAS  # noqa: E402
+from components.tables import PARTS  # noqa: E402
 
 SEED = 1234  # every synthetic value is a hash of its row number and this
 STEPS = 10  # steps per trajectory
@@ -131,12 +131,14 @@ def round_jobs(exp: str, rnd: int, n: int) -> dict[str, tuple[list[tuple[str, st
 def write_job(con: duckdb.DuckDBPyConnection, jobs: Path, ref: StageRunRef,
               parts: list[tuple[str, str]], metrics: dict[str, float]) -> Path:
     """A stage job's output as `StageOutputWriter` publishes it (parts, sha256s, manifest); its manifest."""
-    out = StageOutputWriter(jobs / ref.experiment / f"r{ref.round}" / ref.stage / f"a{ref.attempt}")
+    out = StageOutputWriter(jobs / ref.experiment / f"r{ref.round}" / ref.stage / f"a{ref.attempt}", ref.stage_run_id)
     for i, (table, sql) in enumerate(parts):
         name = f"part-{table}-{i:05d}.parquet"
         tmp = out.tmp_dir / name
+        if "stage_run_id" in PARTS[table].names:  # the attempt's id, as `StageOutputWriter.write_table` adds it
+            sql = f"SELECT *, '{ref.stage_run_id}' AS stage_run_id FROM ({sql})"
         rows = con.execute(f"COPY ({sql}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd)").fetchone()[0]
-        got, want = [(f.name, f.type) for f in pq.read_schema(tmp)], [(f.name, f.type) for f in SCHEMAS[table]]
+        got, want = [(f.name, f.type) for f in pq.read_schema(tmp)], [(f.name, f.type) for f in PARTS[table]]
         if got != want:  # a wrong synthetic column must fail here, not look like a slow commit
             raise SystemExit(f"{table}: synthesised {got}, the store expects {want}")
         out.add_part(table, out.final_dir / name, rows, sha256_file(tmp))

@@ -2,7 +2,9 @@
 
 A job writes into `a<attempt>.tmp/` and renames it to `a<attempt>/` only after every part and the
 manifest are on disk and fsynced. The manifest records each file's rows and sha256; the commit
-re-checks them, so a truncated or corrupted part is refused.
+re-checks them, so a truncated or corrupted part is refused. Each part is written as the store keeps
+it (`components.tables.PARTS`: the attempt's `stage_run_id` included), so the commit copies the file
+into the store instead of rewriting it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from components.storage import normjoin
+from components.tables import PARTS, SCHEMAS
 
 MANIFEST = "manifest.json"
 
@@ -75,10 +78,12 @@ def part_path(out_dir: str | Path, rel: str) -> str:
 
 
 class StageOutputWriter:
-    """Collects a job's tables and artifacts in a temp dir; `finish()` publishes them atomically."""
+    """Collects a job's tables and artifacts in a temp dir; `finish()` publishes them atomically. Its parts
+    name `stage_run_id`, the attempt they are committed under."""
 
-    def __init__(self, final_dir: Path):
+    def __init__(self, final_dir: Path, stage_run_id: str):
         self.final_dir = Path(final_dir)
+        self.stage_run_id = stage_run_id
         self.tmp_dir = self.final_dir.with_name(self.final_dir.name + ".tmp")
         if self.final_dir.exists():
             raise ManifestError(f"{self.final_dir} already exists: attempts are never overwritten")
@@ -94,6 +99,12 @@ class StageOutputWriter:
         return p
 
     def write_table(self, table: str, data: pa.Table) -> None:
+        """Write `data` (the table's `SCHEMAS` columns) as the next part of `table`, with the attempt's id."""
+        if data.schema != SCHEMAS[table]:
+            raise ManifestError(f"table {table}: columns {data.schema.names} do not match {SCHEMAS[table].names}")
+        if PARTS[table] != SCHEMAS[table]:
+            data = data.append_column(PARTS[table].field("stage_run_id"),
+                                      pa.repeat(pa.scalar(self.stage_run_id, pa.string()), data.num_rows))
         part = sum(1 for o in self._outputs if o["table"] == table and "/" not in o["path"])
         rel = f"part-{table}-{part:05d}.parquet"
         path = self.tmp_dir / rel

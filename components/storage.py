@@ -28,6 +28,7 @@ profile), as the AWS SDKs do.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import shutil
@@ -143,6 +144,29 @@ def write_text(uri: str | Path, text: str) -> None:
         return
     fs, path = filesystem(str(uri))
     _calling(str(uri), "writing", fs.pipe_file, path, text.encode())  # one PUT: atomic in S3
+
+
+def put_file(src: Path, uri: str) -> None:
+    """Copy the local file `src` to `uri` (a new name: nothing reads it until the copy is whole), to disk."""
+    if is_remote(uri):
+        fs, path = filesystem(uri)
+        _calling(uri, "writing", fs.put_file, str(src), path)
+        return
+    dest = local(uri)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dest)
+    with open(dest, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def remove(uri: str) -> None:
+    """Delete the file at `uri`, if it is there."""
+    if is_remote(uri):
+        fs, path = filesystem(uri)
+        with contextlib.suppress(FileNotFoundError):
+            _calling(uri, "removing", fs.rm_file, path)
+        return
+    local(uri).unlink(missing_ok=True)
 
 
 def fetch(uri: str | Path) -> Path:

@@ -4,9 +4,10 @@
     to_table("steps", [{"trajectory_id": "t", "step_index": 0, "text": "1+1=2"}])
 
 The store builds its DuckDB tables from these declarations (`components.store`), and stage jobs
-write Parquet with the Arrow schemas derived from them (`SCHEMAS`). Fixed schemas (rather than
-inferred ones) keep Parquet bytes identical across runs and make a job that produces a wrong column
-fail in the job, not at commit. Columns are decided here even for tables that later stages fill
+write Parquet with the Arrow schemas derived from them (`SCHEMAS`; a part adds the attempt's
+`stage_run_id`, `PARTS`). Fixed schemas (rather than inferred ones) keep Parquet bytes identical across
+runs, but for the column that names the attempt, and make a job that produces a wrong column fail in the
+job, not at commit. Columns are decided here even for tables that later stages fill
 (reward models, DPO pairs).
 """
 
@@ -37,8 +38,7 @@ class Table:
     name: str
     columns: tuple[Column, ...]
     key: tuple[str, ...]
-    # Written by stage jobs as Parquet (every column but `stage_run_id`, which the commit fills) and
-    # ingested by `Store.commit`.
+    # Written by stage jobs as Parquet (the writer adds `stage_run_id`) and ingested by `Store.commit`.
     job_output: bool = True
 
     def __post_init__(self):
@@ -52,8 +52,15 @@ class Table:
         return [c.name for c in self.columns]
 
     def arrow_schema(self) -> pa.Schema:
-        # Every field stays nullable: NOT NULL is the store's to enforce, at commit.
+        """The rows a stage builds: every column but `stage_run_id`, the attempt's, which the part's writer adds.
+        Every field stays nullable: NOT NULL is the store's to enforce, at commit."""
         return pa.schema([(c.name, c.type) for c in self.columns if c.name != "stage_run_id"])
+
+    def part_schema(self) -> pa.Schema:
+        """A job's Parquet part: the rows, then the attempt's `stage_run_id` where the table keeps one, so that
+        the store can take the file in as it is (`Store.commit`)."""
+        schema = self.arrow_schema()
+        return schema.append(pa.field("stage_run_id", STR)) if "stage_run_id" in self.names else schema
 
 
 def _table(name: str, key: tuple[str, ...], *columns: Column, job_output: bool = True) -> Table:
@@ -358,6 +365,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
 # A commit ingests these and replaces the rows of the superseded attempt (problems are only added).
 DATA_TABLES: tuple[str, ...] = tuple(name for name, t in TABLES.items() if t.job_output)
 SCHEMAS: dict[str, pa.Schema] = {name: TABLES[name].arrow_schema() for name in DATA_TABLES}
+PARTS: dict[str, pa.Schema] = {name: TABLES[name].part_schema() for name in DATA_TABLES}
 
 
 def to_table(name: str, rows: list[dict[str, Any]]) -> pa.Table:

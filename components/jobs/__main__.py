@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         # Never `out_dir` nor its `.tmp` but in the first process: the others' writes go to their scratch.
-        out = StageOutputWriter(storage.writable_mirror(spec.out_dir) if scratch is None else scratch / "out")
+        out = StageOutputWriter(storage.writable_mirror(spec.out_dir) if scratch is None else scratch / "out",
+                                spec.stage_run_id)
         metrics = STAGES[spec.stage].run(spec, out)
         total = time.perf_counter() - t0
         if scratch is not None:

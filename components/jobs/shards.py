@@ -26,7 +26,7 @@ from components.jobs.spec import StageSpec
 from components.manifest import MANIFEST, Manifest, ManifestError, StageOutputWriter, part_path, verify_manifest
 from components.seeding import derive_seed
 from components.stages.base import Stage
-from components.tables import to_table
+from components.tables import SCHEMAS, to_table
 
 
 def shard_dir(out_dir: str, shard: int) -> str:
@@ -68,14 +68,14 @@ def merge_shards(spec: StageSpec, stage: Stage, shards: list[StageSpec]) -> Path
             raise ManifestError(f"{storage.join(s.out_dir, MANIFEST)}: a shard publishes tables only, not artifacts")
         manifests.append(m)
     # Written in the mirror, where the shards' parts lie beside it as they do in storage, then pushed.
-    out = StageOutputWriter(storage.writable_mirror(spec.out_dir))
+    out = StageOutputWriter(storage.writable_mirror(spec.out_dir), spec.stage_run_id)
     for s, m in zip(shards, manifests):
         for o in m.outputs:
             out.add_part(o["table"], Path(part_path(storage.local(s.out_dir), o["path"])), o["rows"], o["sha256"])
 
     def read(table: str) -> list[dict[str, Any]]:
-        parts = [pq.read_table(part_path(storage.local(s.out_dir), o["path"])) for s, m in zip(shards, manifests)
-                 for o in m.outputs if o["table"] == table]
+        parts = [pq.read_table(part_path(storage.local(s.out_dir), o["path"]), columns=SCHEMAS[table].names)
+                 for s, m in zip(shards, manifests) for o in m.outputs if o["table"] == table]
         return pa.concat_tables(parts).to_pylist() if parts else []
 
     metrics, tables = stage.merge(spec, [m.metrics for m in manifests], read)

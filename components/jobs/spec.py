@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from components import storage
 from components.config import ExperimentConfig, load_config_dict
 from components.manifest import MANIFEST, part_path, read_manifest, sha256_file
+from components.tables import SCHEMAS
 
 T = TypeVar("T")
 
@@ -120,7 +121,8 @@ class StageSpec:
         paths = [p for r in refs for p in _checked_parts(r, table)]
         if not paths:
             raise SpecError(f"{self.stage_run_id}: input {stage!r} of round {want} has no table {table!r}")
-        return pa.concat_tables([pq.read_table(p) for p in paths])
+        # The rows, without the part's `stage_run_id` (a part of an older coevo has none).
+        return pa.concat_tables([pq.read_table(p, columns=SCHEMAS[table].names) for p in paths])
 
     def rows(self, stage: str, table: str, round: int | None = None) -> list[dict[str, Any]]:
         return self.read(stage, table, round).to_pylist()

@@ -21,17 +21,20 @@ import contextlib
 import copy
 import json
 import re
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
+import pyarrow.parquet as pq
 
+from components import storage
 from components.manifest import Manifest, ManifestError, part_path, verify_manifest
 from components.store import guard, lake
 from components.store.errors import StoreError, StoreLockedError
-from components.tables import DATA_TABLES, SCHEMAS, TABLES, Table
+from components.tables import DATA_TABLES, PARTS, SCHEMAS, TABLES, Table
 
 T = TypeVar("T")
 
@@ -799,6 +802,17 @@ class Store:
         for out in manifest.outputs:
             if out["table"] not in DATA_TABLES:
                 raise ManifestError(f"{manifest_path}: unknown output table {out['table']!r}")
+        # The parts the store takes in as they are: a copy of each, in its table's folder, added to the table.
+        adopt = {part_path(out_dir, o["path"]) for o in manifest.outputs
+                 if _adoptable(part_path(out_dir, o["path"]), o["table"], ref)}
+        placed: dict[str, str] = {}  # part: its copy in the store, made once, whatever the retries
+
+        def take_in(con: duckdb.DuckDBPyConnection, table: str, part: str) -> None:
+            if part not in placed:
+                dest = f"{lake.table_folder(con, table)}coevo-{uuid.uuid4().hex}.parquet"
+                storage.put_file(Path(part), dest)
+                placed[part] = dest
+            con.execute("CALL ducklake_add_data_files(?, ?, ?)", [lake.LAKE, table, placed[part]])
 
         def body(con: duckdb.DuckDBPyConnection) -> None:
             prev = con.execute(
@@ -823,8 +837,11 @@ class Store:
                 select = ", ".join(SCHEMAS[table].names)
                 if "stage_run_id" in TABLES[table].names:
                     _check_part(con, table, part, ref)
-                    con.execute(f"INSERT INTO {table} ({select}, stage_run_id) "
-                                f"SELECT {select}, ? FROM read_parquet(?)", [ref.stage_run_id, part])
+                    if part in adopt:
+                        take_in(con, table, part)
+                    else:  # a part of an older coevo, without its attempt's id: rewritten with it
+                        con.execute(f"INSERT INTO {table} ({select}, stage_run_id) "
+                                    f"SELECT {select}, ? FROM read_parquet(?)", [ref.stage_run_id, part])
                 else:  # problems: a problem another run already drew is kept as it is
                     key = ", ".join(TABLES[table].key)
                     con.execute(f"INSERT INTO {table} ({select}) SELECT {select} FROM (SELECT DISTINCT ON ({key}) * "
@@ -840,10 +857,13 @@ class Store:
 
         try:
             self._transaction(f"commit {ref.stage_run_id}", body, attempt=ref)
-        except (ManifestError, StoreError):
+        except BaseException as e:
+            for dest in placed.values():  # nothing committed: the copies are no one's
+                with contextlib.suppress(OSError, storage.StorageError):
+                    storage.remove(dest)
+            if isinstance(e, duckdb.Error):
+                raise StoreError(f"commit of {ref.stage_run_id} failed, nothing committed: {e}") from e
             raise
-        except duckdb.Error as e:
-            raise StoreError(f"commit of {ref.stage_run_id} failed, nothing committed: {e}") from e
         return manifest
 
     def set_mlflow_run(self, stage_run_id: str, mlflow_run_id: str) -> None:
@@ -854,6 +874,34 @@ class Store:
         self._execute(f"register {model_id}",
                       "UPDATE models SET registered_name=?, registered_version=?, mlflow_run_id=? WHERE model_id=?",
                       [name, version, mlflow_run_id, model_id])
+
+
+def _adoptable(part: str, table: str, ref: StageRunRef) -> bool:
+    """Whether the store can take `part` in as it is, by its footer: written as the store keeps the table
+    (`PARTS`: the columns, their types, the attempt's `stage_run_id`) and with no NULL where the table has NOT
+    NULL, which a file added to a DuckLake is not checked for. A part of an older coevo, which has no
+    `stage_run_id`, is not; one that names another attempt is refused."""
+    meta = pq.ParquetFile(part).metadata
+    schema = meta.schema.to_arrow_schema()
+    if "stage_run_id" not in schema.names:
+        return False
+    not_null = {c.name for c in TABLES[table].columns if not c.nullable}
+    ok = schema == PARTS[table] and meta.num_rows > 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for i in range(group.num_columns):
+            column = group.column(i)
+            name, stats = column.path_in_schema, column.statistics
+            if name == "stage_run_id":
+                if stats is None or not stats.has_min_max or stats.null_count != 0:
+                    ok = False
+                elif (stats.min, stats.max) != (ref.stage_run_id, ref.stage_run_id):
+                    raise ManifestError(f"{part}: its rows name attempt {stats.min!r}"
+                                        f"{'' if stats.max == stats.min else f' to {stats.max!r}'}, but it is "
+                                        f"committed as {ref.stage_run_id!r}")
+            elif name in not_null and (stats is None or not stats.has_null_count or stats.null_count != 0):
+                ok = False  # a NULL key, or no statistics to tell: rewritten, where NOT NULL is checked
+    return ok
 
 
 # Tables whose key is unique store-wide, checked against the whole table: every other row names one of their
@@ -901,16 +949,35 @@ def _check_part(con: duckdb.DuckDBPyConnection, table: str, part: str, ref: Stag
         if bad is not None:
             raise duckdb.ConstraintException(f"Constraint Error: {where}; {col} {bad[0]!r} is not one of its "
                                              f"{owner}")
-    dup = con.execute(f"SELECT {key} FROM read_parquet(?) GROUP BY ALL HAVING count(*) > 1 LIMIT 1", [part]).fetchone()
-    if dup is None:
+    if owner is None:  # an anchor: its part's keys, then the whole table's
+        dup = _repeated(con, key, f"SELECT {key} FROM read_parquet(?)", [part])
+        if dup is None:
+            dup = con.execute(f"SELECT {key} FROM {table} SEMI JOIN read_parquet(?) AS p USING ({key}) LIMIT 1",
+                              [part]).fetchone()
+    else:  # the part's keys and the round's, in one pass
         prefix = f"{ref.experiment}/r{ref.round}/"  # exactly the ids in [prefix, prefix less '/' plus '0')
-        scope, params = ("", [part]) if owner is None else (
-            " WHERE stage_run_id >= ? AND stage_run_id < ?", [part, prefix, prefix[:-1] + "0"])
-        dup = con.execute(f"SELECT {key} FROM {table} SEMI JOIN read_parquet(?) AS p USING ({key}){scope} LIMIT 1",
-                          params).fetchone()
+        dup = _repeated(con, key, f"SELECT {key} FROM read_parquet(?) UNION ALL "
+                                  f"SELECT {key} FROM {table} WHERE stage_run_id >= ? AND stage_run_id < ?",
+                        [part, prefix, prefix[:-1] + "0"])
     if dup is not None:
         raise duckdb.ConstraintException(f"Constraint Error: duplicate key ({key}) = {dup!r} in {table}: the key "
                                          "is already in the store or repeated in the part")
+
+
+def _repeated(con: duckdb.DuckDBPyConnection, key: str, rows: str, params: list[Any]) -> tuple | None:
+    """A `key` that the query `rows` yields more than once, or None. The rows are grouped by a 64-bit hash of the
+    key, about twice as fast as by the key's own columns, and only the keys of a hash seen twice are compared (two
+    keys share a hash by a collision alone, about once in 10^6 commits of 5M rows)."""
+    most = 1000  # candidate hashes compared at once; where all of them prove collisions, every key is
+    hashes = [h for (h,) in con.execute(f"SELECT hash({key}) AS h FROM ({rows}) GROUP BY h HAVING count(*) > 1 "
+                                        f"LIMIT {most}", params).fetchall()]
+    if not hashes:
+        return None
+    dup = con.execute(f"SELECT {key} FROM ({rows}) WHERE hash({key}) IN (SELECT unnest(?::UBIGINT[])) GROUP BY ALL "
+                      "HAVING count(*) > 1 LIMIT 1", [*params, hashes]).fetchone()
+    if dup is None and len(hashes) == most:
+        dup = con.execute(f"SELECT {key} FROM ({rows}) GROUP BY ALL HAVING count(*) > 1 LIMIT 1", params).fetchone()
+    return dup
 
 
 # A model id's attempt (`<exp>/<role>/r<round>/a<k>`), which content hashes read the id without.

@@ -229,6 +229,21 @@ def data_path(con: duckdb.DuckDBPyConnection) -> str:
     return con.execute(f"SELECT value FROM {METADATA}.ducklake_metadata WHERE key = 'data_path'").fetchone()[0]
 
 
+def table_folder(con: duckdb.DuckDBPyConnection, table: str) -> str:
+    """Where the attached store keeps `table`'s data files (`<data path>/main/<table>/`): a file handed to the
+    store (`ducklake_add_data_files`) lies there, inside the folder a reader may read."""
+    row = con.execute(
+        f"SELECT s.path, s.path_is_relative, t.path, t.path_is_relative FROM {METADATA}.ducklake_table AS t "
+        f"JOIN {METADATA}.ducklake_schema AS s USING (schema_id) WHERE t.table_name = ? AND s.schema_name = 'main' "
+        "AND t.end_snapshot IS NULL AND s.end_snapshot IS NULL", [table]).fetchone()
+    if row is None:
+        raise LakeError(f"the store has no table {table!r}")
+    schema, schema_relative, folder, folder_relative = row
+    if schema_relative:
+        schema = data_path(con).rstrip("/") + "/" + schema
+    return (schema.rstrip("/") + "/" + folder if folder_relative else folder).rstrip("/") + "/"
+
+
 def is_busy(e: BaseException) -> bool:
     """A fault another writer or reader causes, which passes: SQLite's lock, DuckLake's commit conflict."""
     s = str(e).lower()

@@ -34,9 +34,12 @@ def test_same_seed_gives_identical_stage_outputs(fault_runs):
         ha, hb = content_hashes(Path(a[key]["out_dir"])), content_hashes(Path(b[key]["out_dir"]))
         assert ha == hb, f"{key}: {[k for k in ha if ha[k] != hb.get(k)]}"
         # and the Parquet bytes themselves, except where a column names an attempt: `models.uri` (the attempt's
-        # folder), and model ids where the two runs' models differ in attempt (a killed training retried is a2)
+        # folder), model ids where the two runs' models differ in attempt (a killed training retried is a2), and
+        # a part's `stage_run_id` where the attempts differ
         named = {"models"} | ({t for t, d in TABLES.items() if any(c.endswith("model_id") for c in d.names)}
-                              if _model_ids(a[key]) != _model_ids(b[key]) else set())
+                              if _model_ids(a[key]) != _model_ids(b[key]) else set()) | (
+            {t for t, d in TABLES.items() if "stage_run_id" in d.names} if a[key]["attempt"] != b[key]["attempt"]
+            else set())
         ma, mb = read_manifest(Path(a[key]["out_dir"]) / "manifest.json"), read_manifest(Path(b[key]["out_dir"]) / "manifest.json")
         pa = {(o["table"], o["path"]): o["sha256"] for o in ma.outputs if o["table"] not in named}
         pb = {(o["table"], o["path"]): o["sha256"] for o in mb.outputs if o["table"] not in named}

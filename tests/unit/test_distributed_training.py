@@ -183,7 +183,7 @@ def _committed(root: Path, stage: str, rnd: int, tables: dict[str, list[dict]]):
     from components.manifest import Manifest, StageOutputWriter, read_manifest
     from components.tables import SCHEMAS, to_table
 
-    out = StageOutputWriter(root / f"r{rnd}" / stage / "a1")
+    out = StageOutputWriter(root / f"r{rnd}" / stage / "a1", f"dd/r{rnd}/{stage}/a1")
     for name, rows in tables.items():
         out.write_table(name, to_table(name, [dict.fromkeys(SCHEMAS[name].names) | r for r in rows]))
     m = read_manifest(out.finish(Manifest(experiment="dd", round=rnd, stage=stage, attempt=1, config_hash="x",

@@ -51,7 +51,7 @@ def _commit(store, tmp_path, ref, records):
         for table, r in rows.items():
             tables.setdefault(table, []).extend(r)
     store.start_stage_run(ref, "dir", "{}", "h", 1)
-    out = StageOutputWriter(tmp_path / ref.stage_run_id.replace("/", "_"))
+    out = StageOutputWriter(tmp_path / ref.stage_run_id.replace("/", "_"), ref.stage_run_id)
     for table, rows in tables.items():
         if table == "problems":
             rows = list({r["problem_id"]: r for r in rows}.values())

@@ -5,9 +5,10 @@ import re
 from pathlib import Path
 
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 
-from components.manifest import Manifest, ManifestError, StageOutputWriter, verify_manifest
+from components.manifest import Manifest, ManifestError, StageOutputWriter, sha256_file, verify_manifest
 from components.store import StageRunRef, Store, StoreError
 from components.tables import to_table
 
@@ -21,7 +22,7 @@ def _traj(i: int, round: int = 1) -> dict:
 
 
 def _job(tmp: Path, ref: StageRunRef, n: int) -> Path:
-    out = StageOutputWriter(tmp / f"r{ref.round}" / ref.stage / f"a{ref.attempt}")
+    out = StageOutputWriter(tmp / f"r{ref.round}" / ref.stage / f"a{ref.attempt}", ref.stage_run_id)
     out.write_table("trajectories", to_table("trajectories", [_traj(i, ref.round) for i in range(n)]))
     m = Manifest(experiment=ref.experiment, round=ref.round, stage=ref.stage, attempt=ref.attempt,
                  config_hash="h", seed=1, code_version=None, inputs={}, metrics={"n": n}, timings={"total_s": 1.0})
@@ -83,7 +84,7 @@ def test_a_rerun_whose_commit_fails_marks_nothing_stale(tmp_path):
     _commit(store, tmp_path, StageRunRef("e", 2, "generate", 1), n=2)
     a2 = StageRunRef("e", 1, "generate", 2)
     _start(store, a2)
-    out = StageOutputWriter(tmp_path / "r1" / "generate" / "a2")
+    out = StageOutputWriter(tmp_path / "r1" / "generate" / "a2", a2.stage_run_id)
     out.write_table("trajectories", to_table("trajectories", [_traj(0), _traj(0)]))  # a duplicate key mid-commit
     with pytest.raises(StoreError, match="nothing committed"):
         store.commit(a2, out.finish(Manifest("e", 1, "generate", 2, "h", 1, None, {})), later_stages=("verify",))
@@ -137,13 +138,77 @@ def test_failed_insert_rolls_back_everything(tmp_path):
     # A second experiment's job that reuses a trajectory id violates the primary key mid-commit.
     b1 = StageRunRef("e", 1, "verify", 1)
     _start(store, b1)
-    out = StageOutputWriter(tmp_path / "r1" / "verify" / "a1")
+    out = StageOutputWriter(tmp_path / "r1" / "verify" / "a1", b1.stage_run_id)
     out.write_table("trajectories", to_table("trajectories", [_traj(0), _traj(7)]))
     mpath = out.finish(Manifest("e", 1, "verify", 1, "h", 1, None, {}))
     with pytest.raises(StoreError, match="nothing committed"):
         store.commit(b1, mpath)
     assert _count(store, "SELECT count(*) FROM trajectories") == 2
     assert store.committed_run("e", 1, "verify") is None
+
+
+def _files(store: Store, table: str) -> list[Path]:
+    return sorted((store.path / "data" / "main" / table).glob("*.parquet"))
+
+
+def test_a_part_is_taken_in_as_its_own_file_and_a_failed_commit_leaves_no_copy(tmp_path):
+    store = Store(tmp_path / "s")
+    a1 = StageRunRef("e", 1, "generate", 1)
+    _start(store, a1)
+    mpath = _job(tmp_path, a1, 3)
+    store.commit(a1, mpath)
+    # The store's file is the job's part byte for byte: copied, not rewritten, with its attempt's id in it.
+    (kept,) = _files(store, "trajectories")
+    assert kept.name.startswith("coevo-") and kept.read_bytes() == next(mpath.parent.glob("part-*")).read_bytes()
+    assert store.query("SELECT DISTINCT stage_run_id, count(*) OVER () FROM trajectories")[1] == [(a1.stage_run_id, 3)]
+    # A job of two parts whose second repeats a key of the first: the first was copied in, then the commit failed.
+    b1 = StageRunRef("e", 2, "generate", 1)
+    _start(store, b1)
+    out = StageOutputWriter(tmp_path / "r2" / "generate" / "a1", b1.stage_run_id)
+    out.write_table("trajectories", to_table("trajectories", [_traj(0, 2), _traj(1, 2)]))
+    out.write_table("trajectories", to_table("trajectories", [_traj(1, 2)]))
+    with pytest.raises(StoreError, match=r"duplicate key \(trajectory_id\) = \('t2-1',\)"):
+        store.commit(b1, out.finish(Manifest("e", 2, "generate", 1, "h", 1, None, {})))
+    assert _files(store, "trajectories") == [kept] and _count(store, "SELECT count(*) FROM trajectories") == 3
+
+
+def test_a_part_of_an_older_coevo_is_rewritten_with_its_attempt(tmp_path):
+    store = Store(tmp_path / "s")
+    ref = StageRunRef("e", 1, "generate", 1)
+    _start(store, ref)
+    out = StageOutputWriter(tmp_path / "old", ref.stage_run_id)
+    part = out.tmp_dir / "part-trajectories-00000.parquet"  # as the writer wrote it before parts named their attempt
+    pq.write_table(to_table("trajectories", [_traj(0), _traj(1)]), part, compression="zstd")
+    out.add_part("trajectories", out.final_dir / part.name, 2, sha256_file(part))
+    store.commit(ref, out.finish(Manifest("e", 1, "generate", 1, "h", 1, None, {})))
+    assert store.query("SELECT stage_run_id, count(*) FROM trajectories GROUP BY 1")[1] == [(ref.stage_run_id, 2)]
+    # Rewritten: two rows, which DuckLake keeps in its catalog (data inlining), where a copied part would be a file
+    assert _files(store, "trajectories") == []
+
+
+def test_a_part_that_names_another_attempt_is_refused(tmp_path):
+    store = Store(tmp_path / "s")
+    ref = StageRunRef("e", 1, "generate", 1)
+    _start(store, ref)
+    out = StageOutputWriter(tmp_path / "r1" / "generate" / "a1", "e/r1/generate/a9")
+    out.write_table("trajectories", to_table("trajectories", [_traj(0)]))
+    mpath = out.finish(Manifest("e", 1, "generate", 1, "h", 1, None, {}))
+    with pytest.raises(ManifestError, match="its rows name attempt 'e/r1/generate/a9', but it is committed as "
+                                            "'e/r1/generate/a1'"):
+        store.commit(ref, mpath)
+    assert _count(store, "SELECT count(*) FROM trajectories") == 0 and _files(store, "trajectories") == []
+
+
+def test_a_null_in_a_not_null_column_is_refused_as_by_an_insert(tmp_path):
+    # A file added to a DuckLake is not checked for NOT NULL: such a part goes through INSERT, which is.
+    store = Store(tmp_path / "s")
+    ref = StageRunRef("e", 1, "generate", 1)
+    _start(store, ref)
+    out = StageOutputWriter(tmp_path / "r1" / "generate" / "a1", ref.stage_run_id)
+    out.write_table("trajectories", to_table("trajectories", [_traj(0), _traj(1) | {"experiment_id": None}]))
+    with pytest.raises(StoreError, match="NOT NULL constraint failed: trajectories.experiment_id"):
+        store.commit(ref, out.finish(Manifest("e", 1, "generate", 1, "h", 1, None, {})))
+    assert _count(store, "SELECT count(*) FROM trajectories") == 0 and _files(store, "trajectories") == []
 
 
 def test_query_is_read_only(tmp_path):
@@ -211,7 +276,7 @@ def test_attempt_dirs_are_never_overwritten(tmp_path):
     ref = StageRunRef("e", 1, "generate", 1)
     _job(tmp_path, ref, 1)
     with pytest.raises(ManifestError, match="never overwritten"):
-        StageOutputWriter(tmp_path / "r1" / "generate" / "a1")
+        StageOutputWriter(tmp_path / "r1" / "generate" / "a1", ref.stage_run_id)
 
 
 def test_schema_has_the_design_tables(tmp_path):

@@ -3,13 +3,14 @@
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pytest
 
 from components.compare import CompareError, experiment_rounds, mlflow_experiments
 from components.export import ExportError, read_tables
 from components.manifest import Manifest, StageOutputWriter
 from components.store import SCHEMA, StageRunRef, Store, create_table_sql
-from components.tables import DATA_TABLES, SCHEMAS, TABLES, to_table
+from components.tables import DATA_TABLES, PARTS, SCHEMAS, TABLES, to_table
 
 
 def _model(exp: str, round: int, role: str) -> dict:
@@ -30,7 +31,7 @@ def _problem(i: int) -> dict:
 
 def _commit(store: Store, tmp: Path, ref: StageRunRef, tables: dict[str, list[dict]], total_s: float = 1.0) -> None:
     store.start_stage_run(ref, "dir", "{}", "h", 1)
-    out = StageOutputWriter(tmp / ref.experiment / f"r{ref.round}" / ref.stage / f"a{ref.attempt}")
+    out = StageOutputWriter(tmp / ref.experiment / f"r{ref.round}" / ref.stage / f"a{ref.attempt}", ref.stage_run_id)
     for name, rows in tables.items():
         out.write_table(name, to_table(name, rows))
     m = Manifest(experiment=ref.experiment, round=ref.round, stage=ref.stage, attempt=ref.attempt, config_hash="h",
@@ -152,12 +153,14 @@ def test_store_tables_are_the_declared_tables(tmp_path):
     assert SCHEMA.count("CREATE TABLE") == len(TABLES) + 1  # and coevo_meta
 
 
-def test_job_schemas_are_the_declared_columns_without_stage_run_id():
-    assert tuple(SCHEMAS) == DATA_TABLES
+def test_job_schemas_are_the_declared_columns_without_stage_run_id_and_parts_add_it():
+    assert tuple(SCHEMAS) == tuple(PARTS) == DATA_TABLES
     for name in DATA_TABLES:
         assert SCHEMAS[name].names == [c for c in TABLES[name].names if c != "stage_run_id"]
         assert [f.type for f in SCHEMAS[name]] == [c.type for c in TABLES[name].columns if c.name != "stage_run_id"]
         assert all(f.nullable for f in SCHEMAS[name])
+        extra = [pa.field("stage_run_id", pa.string())] if "stage_run_id" in TABLES[name].names else []
+        assert list(PARTS[name]) == [*SCHEMAS[name], *extra], name
 
 
 def test_commits_keep_every_declared_key_unique(tmp_path):
