@@ -545,7 +545,8 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
     (a `--size micro` stand-in, as vLLM's CPU attention needs a head of 32 or more, after a short bootstrap on HF),
     through HF, through the vLLM engine in .venv-vllm, and through a `vllm serve` of it. Greedy episodes (all in
     float32) agree turn for turn but where two logits tie to rounding; every sampled turn keeps the ids the engine
-    drew, which decode to the turn's text."""
+    drew, which decode to the turn's text. The vLLM run goes on for a whole round: its episodes, their Monte Carlo
+    turn labels and the held-out episodes of the model trained on them, each sampled by the engine."""
     from transformers import AutoTokenizer
 
     from components.servers import free_port, vllm_serve
@@ -570,7 +571,9 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
 
     run("hf", [f"policy.model={model}", "bootstrap.steps=150"])
     trained = runs["hf"][1].committed_model("calc-hf", 0, "policy")["uri"]  # the same weights, copied as round 0
-    run("vllm", ["generate.backend=vllm", "bootstrap.steps=0", f"policy.model={trained}"])
+    run("vllm", ["generate.backend=vllm", "bootstrap.steps=0", f"policy.model={trained}", "rounds=1",
+                 "generate.problems_per_level=3", "generate.samples_per_problem=2", "score.mc_rollouts=2",
+                 "score.mc_max_trajectories=4", "train_policy.steps=5"])
     port = free_port()
     server = vllm_serve(trained, port, w / "serve.log", python=vllm_python, kv_cache_gib=1)
     try:
@@ -601,6 +604,23 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
                              for text, ids in turns), name
         metrics = json.loads(store.committed_run(cfg.experiment, 0, "evaluate")["metrics_json"])
         assert metrics["agent_episodes"] == len(hf), name
+    # Round 1 through vLLM: every sampling stage ran on the engine (its prefix cache was queried), the episodes
+    # keep the engine's ids, and the Monte Carlo turn labels are rollouts it drew.
+    cfg, store = runs["vllm"]
+    for stage in ("generate", "score", "evaluate"):
+        metrics = json.loads(store.committed_run(cfg.experiment, 1, stage)["metrics_json"])
+        assert metrics.get("engine_prefix_cache_queries", 0) > 0, (stage, metrics)
+    _, turns = store.query("SELECT u.content, u.token_ids FROM turns u JOIN trajectories t USING (trajectory_id) "
+                           "WHERE t.experiment_id = ? AND t.round = 1 AND u.role = 'assistant'", [cfg.experiment])
+    assert turns and all(ids and tok.decode(ids, skip_special_tokens=True).strip() == text.strip()
+                         for text, ids in turns)
+    _, labels = store.query("SELECT l.source, count(*), sum(l.num_rollouts) FROM step_labels l JOIN trajectories t "
+                            "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 GROUP BY 1",
+                            [cfg.experiment])
+    assert labels and all(n > 0 for _, n, _ in labels), labels
+    held_out = json.loads(store.committed_run(cfg.experiment, 1, "evaluate")["metrics_json"])["agent_episodes"]
+    print(f"round 1 through vllm: {len(turns)} assistant turns with the engine's ids; turn labels {labels}; "
+          f"held-out {held_out:.0f} episodes")
     vllm_metrics = json.loads(runs["vllm"][1].committed_run("calc-vllm", 0, "evaluate")["metrics_json"])
     assert vllm_metrics["engine_prefix_cache_queries"] > 0
 
