@@ -968,7 +968,7 @@ def _repeated(con: duckdb.DuckDBPyConnection, key: str, rows: str, params: list[
     """A `key` that the query `rows` yields more than once, or None. The rows are grouped by a 64-bit hash of the
     key, about twice as fast as by the key's own columns, and only the keys of a hash seen twice are compared (two
     keys share a hash by a collision alone, about once in 10^6 commits of 5M rows)."""
-    most = 1000  # candidate hashes compared at once; where all of them prove collisions, every key is
+    most = 1000  # candidate hashes compared at once; where all of them prove collisions, every key is compared
     hashes = [h for (h,) in con.execute(f"SELECT hash({key}) AS h FROM ({rows}) GROUP BY h HAVING count(*) > 1 "
                                         f"LIMIT {most}", params).fetchall()]
     if not hashes:
