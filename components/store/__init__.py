@@ -966,8 +966,9 @@ def _check_part(con: duckdb.DuckDBPyConnection, table: str, part: str, ref: Stag
 
 def _repeated(con: duckdb.DuckDBPyConnection, key: str, rows: str, params: list[Any]) -> tuple | None:
     """A `key` that the query `rows` yields more than once, or None. The rows are grouped by a 64-bit hash of the
-    key, about twice as fast as by the key's own columns, and only the keys of a hash seen twice are compared (two
-    keys share a hash by a collision alone, about once in 10^6 commits of 5M rows)."""
+    key, faster than by the key's own columns (a part of 5M steps: 0.59 s against 0.98 s), and only the keys of a
+    hash seen twice are compared (two keys share a hash by a collision alone, about once in 10^6 commits of 5M
+    rows)."""
     most = 1000  # candidate hashes compared at once; where all of them prove collisions, every key is compared
     hashes = [h for (h,) in con.execute(f"SELECT hash({key}) AS h FROM ({rows}) GROUP BY h HAVING count(*) > 1 "
                                         f"LIMIT {most}", params).fetchall()]
