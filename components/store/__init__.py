@@ -806,10 +806,13 @@ class Store:
         adopt = {part_path(out_dir, o["path"]) for o in manifest.outputs
                  if _adoptable(part_path(out_dir, o["path"]), o["table"], ref)}
         placed: dict[str, str] = {}  # part: its copy in the store, made once, whatever the retries
+        folders: dict[str, str] = {}  # table: its folder in the store (a sharded stage has a part per shard)
 
         def take_in(con: duckdb.DuckDBPyConnection, table: str, part: str) -> None:
             if part not in placed:
-                dest = f"{lake.table_folder(con, table)}coevo-{uuid.uuid4().hex}.parquet"
+                if table not in folders:
+                    folders[table] = lake.table_folder(con, table)
+                dest = f"{folders[table]}coevo-{uuid.uuid4().hex}.parquet"
                 storage.put_file(Path(part), dest)
                 placed[part] = dest
             con.execute("CALL ducklake_add_data_files(?, ?, ?)", [lake.LAKE, table, placed[part]])
