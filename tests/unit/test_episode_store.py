@@ -99,6 +99,7 @@ def test_a_version_2_store_gains_the_turns_table_from_its_first_writer(tmp_path)
         con.execute("DELETE FROM coevo_meta")
         con.execute("INSERT INTO coevo_meta VALUES ('schema_version', '2')")
         con.execute("COMMIT")
+    store = Store(tmp_path / "s")  # this coevo opens it, as a new process would
     with pytest.raises(Exception, match="turns"):
         store.query("SELECT count(*) FROM turns")
     store.set_round_plan("e", 1, [1], "first")  # any write upgrades it
@@ -122,6 +123,7 @@ def test_a_version_3_store_gains_the_token_ids_column_and_keeps_its_turns(tmp_pa
         con.execute("DELETE FROM coevo_meta")
         con.execute("INSERT INTO coevo_meta VALUES ('schema_version', '3')")
         con.execute("COMMIT")
+    store = Store(tmp_path / "s")  # this coevo opens it, as a new process would
     store.register_experiment("e", "{}", "h", 1, "agent", None)  # any write upgrades it
     assert store.query("SELECT content, token_ids FROM turns")[1] == [("hi", None)]
     assert store.query("SELECT max(value::INTEGER) FROM coevo_meta")[1] == [(SCHEMA_VERSION,)]

@@ -52,6 +52,25 @@ def test_commit_ingests_and_rerun_supersedes(tmp_path):
     assert statuses == {"e/r1/generate/a1": "superseded", "e/r1/generate/a2": "committed"}
     assert store.committed_run("e", 1, "generate")["attempt"] == 2
     assert store.next_attempt("e", 1, "generate") == 3
+    a3 = StageRunRef("e", 1, "generate", 3)  # a rerun of the rerun: only a2 is committed, a1 stays superseded
+    _start(store, a3)
+    store.commit(a3, _job(tmp_path, a3, 4))
+    assert _count(store, "SELECT count(*) FROM trajectories WHERE stage_run_id = 'e/r1/generate/a3'") == 4
+    assert _count(store, "SELECT count(*) FROM trajectories") == 4
+    assert sorted(store.query("SELECT status, count(*) FROM stage_runs GROUP BY ALL")[1]) == [
+        ("committed", 1), ("superseded", 2)]
+
+
+def test_a_commit_of_an_attempt_never_started_is_refused_with_nothing_written(tmp_path):
+    store = Store(tmp_path / "s")
+    a1 = StageRunRef("e", 1, "generate", 1)
+    _commit(store, tmp_path, a1, n=2)
+    files = sorted((tmp_path / "s" / "data").rglob("*.parquet"))
+    b1 = StageRunRef("e", 2, "generate", 1)
+    with pytest.raises(StoreError, match="stage run e/r2/generate/a1 was never started"):
+        store.commit(b1, _job(tmp_path, b1, 3))
+    assert _count(store, "SELECT count(*) FROM trajectories") == 2
+    assert sorted((tmp_path / "s" / "data").rglob("*.parquet")) == files  # its copies removed
 
 
 def _commit(store: Store, tmp: Path, ref: StageRunRef, n: int = 0, later: tuple[str, ...] = ()) -> None:
