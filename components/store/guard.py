@@ -24,6 +24,8 @@ scripts, and on an open connection a parse error would echo them back.
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -42,6 +44,10 @@ class QueryRefused(StoreError):
     """The SQL is not one read-only statement, or it reached outside the store."""
 
 
+# An empty folder of this process's, removed when it exits: nothing in it is ever read.
+_NO_SECRETS = tempfile.mkdtemp(prefix="coevo-no-secrets-")
+atexit.register(shutil.rmtree, _NO_SECRETS, ignore_errors=True)
+
 # Settings a locked reader starts with: DuckDB takes some of them only before first use (the secret manager).
 STARTUP = {
     "autoinstall_known_extensions": False,
@@ -49,7 +55,7 @@ STARTUP = {
     "allow_community_extensions": False,
     # Not ~/.duckdb/stored_secrets: an empty folder of this process's. (`allow_persistent_secrets = false` would
     # do too, but then the postgres extension refuses to attach a catalog: "Unknown secret storage".)
-    "secret_directory": tempfile.mkdtemp(prefix="coevo-no-secrets-"),
+    "secret_directory": _NO_SECRETS,
     "python_enable_replacements": False,  # a table name is a store table, never a caller's variable
 }
 # Then, once whatever it needs is attached or loaded, in this order:

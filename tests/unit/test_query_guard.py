@@ -7,7 +7,9 @@ a clear message, nothing written, nothing read; and the read-only statements tha
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -287,3 +289,14 @@ def print_table() -> None:
 
 if __name__ == "__main__":
     sys.exit(print_table())
+
+
+def test_the_empty_secret_folder_goes_when_the_process_exits(tmp_path):
+    """Every process that reads the store points DuckDB's secret directory at an empty folder of its own: it
+    must not outlive the process (`coevo query` run a thousand times left a thousand folders in /tmp)."""
+    code = "import os, components.store.guard as g; print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=Path(__file__).resolve().parents[2])
+    folder, existed = out.stdout.split()
+    assert Path(folder).parent == tmp_path and existed == "True"
+    assert list(tmp_path.iterdir()) == []
