@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from components.domains.base import Domain, Problem
 from components.models.backends import GenerationBackend, Sample
+
+W = TypeVar("W")  # a wave of samples, as `waves_until_right`'s caller draws it
 
 
 def trajectory_id(experiment: str, round: int, purpose: str, problem_id: str, sample_index: int) -> str:
@@ -72,47 +74,58 @@ def generate(
     return GeneratedBatch([problem_row(p, split) for p in problems], trajs, steps)
 
 
+def waves_until_right(
+    problems: list[Problem], draw: Callable[[list[Problem], int, int, int], tuple[W, Iterable[tuple[str, bool]], int]],
+    *, want: int, wave_size: int, n: int, seed: int, progress: Callable[[str], None] | None = None,
+) -> tuple[list[W], dict[str, float]]:
+    """Rejection sampling in waves (DART-Math), whatever a sample is: each wave draws `wave_size` more samples for
+    every problem with fewer than `want` right ones, until `n` per problem are drawn. `draw(problems, k, seed,
+    first_sample_index)` draws a wave, k samples a problem, and returns it, each sample's (problem id, right) and
+    its tokens. Wave 0 draws at `seed`, wave w > 0 at `seed_stream(seed, w)`; sample indices run on across waves,
+    so ids are those of the plain draw where they overlap.
+
+    Returns the waves, in order, and their statistics: problems drawn for and tokens per wave, `waves`, and
+    `unmet` (problems still short of `want`)."""
+    from components.seeding import seed_stream
+
+    right = dict.fromkeys((p.problem_id for p in problems), 0)
+    pending, drawn, w = list(problems), 0, 0
+    got: list[W] = []
+    stats: dict[str, float] = {}
+    while pending and drawn < n:
+        k = min(wave_size, n - drawn)
+        wave, verdicts, tokens = draw(pending, k, seed if w == 0 else seed_stream(seed, w), drawn)
+        for problem_id, ok in verdicts:
+            right[problem_id] += bool(ok)
+        got.append(wave)
+        stats |= {f"wave{w}_problems": len(pending), f"wave{w}_tokens": tokens}
+        drawn, asked = drawn + k, len(pending)
+        pending = [p for p in pending if right[p.problem_id] < want]
+        if progress:
+            progress(f"wave {w}: {asked} problems x {k}, {tokens} tokens; {len(pending)} still short of {want} right")
+        w += 1
+    return got, stats | {"waves": w, "unmet": len(pending)}
+
+
 def generate_until_correct(
     domain: Domain, backend: GenerationBackend, problems: list[Problem], *,
     verifier: Callable[[list[str], list[str]], list[float | None]], want: int, wave_size: int, n: int, seed: int,
     progress: Callable[[str], None] | None = None, **kw: Any,
 ) -> tuple[GeneratedBatch, dict[str, float]]:
-    """Rejection sampling in waves (DART-Math): each wave draws `wave_size` more samples for every problem
-    with fewer than `want` right answers (by `verifier`, the verify stage's function and rule), until `n` per
-    problem are drawn. Wave 0 is `generate` at `seed`; wave w > 0 at `seed_stream(seed, w)`. Sample
-    indices run on across waves, so trajectory ids are those of the plain draw where they overlap.
-
-    Returns the batch and per-wave statistics (problems drawn for, tokens)."""
-    from components.seeding import seed_stream
+    """`waves_until_right` on text: each wave is `generate`, judged by `verifier` (the verify stage's function and
+    rule). Returns the batch (the problems from wave 0, which draws for all of them) and the waves' statistics."""
     from components.verification import verify
 
-    right = dict.fromkeys((p.problem_id for p in problems), 0)
-    pending, drawn = list(problems), 0
-    rows: list[dict[str, Any]] = []  # the problems, from wave 0, which draws for all of them
-    trajs: list[dict[str, Any]] = []
-    steps: list[dict[str, Any]] = []
-    stats: dict[str, float] = {}
-    w = 0
-    while pending and drawn < n:
-        k = min(wave_size, n - drawn)
-        b = generate(domain, backend, pending, n=k, seed=seed if w == 0 else seed_stream(seed, w),
-                     first_sample_index=drawn, **kw)
+    def draw(pending: list[Problem], k: int, wave_seed: int, first: int):
+        b = generate(domain, backend, pending, n=k, seed=wave_seed, first_sample_index=first, **kw)
         answers = {p.problem_id: p.answer for p in pending}
-        for t, v in zip(b.trajectories, verify(b.trajectories, answers, verifier, name="until_correct", version=""),
-                        strict=True):
-            right[t["problem_id"]] += bool(v["correct"])
-        rows = rows or b.problems
-        trajs += b.trajectories
-        steps += b.steps
-        stats |= {f"wave{w}_problems": len(pending), f"wave{w}_tokens": b.num_tokens}
-        drawn += k
-        pending = [p for p in pending if right[p.problem_id] < want]
-        if progress:
-            progress(f"wave {w}: {len(answers)} problems x {k}, {b.num_tokens} tokens; {len(pending)} still "
-                     f"short of {want} right")
-        w += 1
-    stats |= {"waves": w, "unmet": len(pending)}
-    return GeneratedBatch(rows, trajs, steps), stats
+        verdicts = verify(b.trajectories, answers, verifier, name="until_correct", version="")
+        return b, [(t["problem_id"], v["correct"]) for t, v in zip(b.trajectories, verdicts, strict=True)], b.num_tokens
+
+    batches, stats = waves_until_right(problems, draw, want=want, wave_size=wave_size, n=n, seed=seed,
+                                       progress=progress)
+    return GeneratedBatch(batches[0].problems if batches else [], [t for b in batches for t in b.trajectories],
+                          [s for b in batches for s in b.steps]), stats
 
 
 def search_tree_id(experiment: str, round: int, purpose: str, problem_id: str) -> str:

@@ -94,33 +94,23 @@ def episodes_until_right(run_wave: Callable[[list[Problem], int, int, int], Epis
                          *, want: int, wave_size: int, n: int, seed: int,
                          progress: Callable[[str], None] | None = None,
                          ) -> tuple[EpisodeBatch, dict[str, float], dict[str, float]]:
-    """`generate.until_correct` on an environment: rejection sampling in waves, as `generation.generate_until_correct`
-    does for text. Each wave runs `wave_size` more episodes for every problem with fewer than `want` right ones (by
-    the environment's verdict, which verify stores), until `n` per problem have run. `run_wave(problems, k, seed,
-    first_sample_index)` runs a wave, k episodes a problem: plainly (`run_episodes`) or turn by turn under a PRM.
-    Wave 0 runs at `seed`, wave w > 0 at `seed_stream(seed, w)`, and sample indices run on across waves.
+    """`generate.until_correct` on an environment: `generation.waves_until_right`, where each wave runs episodes,
+    judged by the environment's verdict (which verify stores). `run_wave(problems, k, seed, first_sample_index)` runs
+    a wave, k episodes a problem: plainly (`run_episodes`) or turn by turn under a PRM.
 
-    Returns the batch, the loop's stats over every episode (`episode_stats`) and the waves' (problems drawn for and
-    tokens, per wave; `waves`; `unmet`: problems still short of `want`)."""
-    from components.seeding import seed_stream
+    Returns the batch, the loop's stats over every episode (`episode_stats`) and the waves'."""
+    from components.generation import waves_until_right
 
-    right = dict.fromkeys((p.problem_id for p in problems), 0)
-    pending, drawn, w = list(problems), 0, 0
-    batch, waves = EpisodeBatch(), {}
-    while pending and drawn < n:
-        k = min(wave_size, n - drawn)
-        got = run_wave(pending, k, seed if w == 0 else seed_stream(seed, w), drawn)
-        for rec in got.records:
-            right[rec.problem.problem_id] += rec.right
+    def draw(pending: list[Problem], k: int, wave_seed: int, first: int):
+        got = run_wave(pending, k, wave_seed, first)
+        return (got, [(rec.problem.problem_id, rec.right) for rec in got.records],
+                sum(t["num_tokens"] for t in got.trajectories))
+
+    waves, stats = waves_until_right(problems, draw, want=want, wave_size=wave_size, n=n, seed=seed, progress=progress)
+    batch = EpisodeBatch()
+    for got in waves:
         batch.extend(got)
-        tokens = sum(t["num_tokens"] for t in got.trajectories)
-        waves |= {f"wave{w}_problems": len(pending), f"wave{w}_tokens": tokens}
-        drawn, asked = drawn + k, len(pending)
-        pending = [p for p in pending if right[p.problem_id] < want]
-        if progress:
-            progress(f"wave {w}: {asked} problems x {k}, {tokens} tokens; {len(pending)} still short of {want} right")
-        w += 1
-    return batch, episode_stats(batch.records), waves | {"waves": w, "unmet": len(pending)}
+    return batch, episode_stats(batch.records), stats
 
 
 def search_episodes(env: Any, generate: Any, problems: list[Problem], search: Any, *, n: int, experiment: str,
