@@ -25,6 +25,7 @@ scripts, and on an open connection a parse error would echo them back.
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -44,9 +45,10 @@ class QueryRefused(StoreError):
     """The SQL is not one read-only statement, or it reached outside the store."""
 
 
-# An empty folder of this process's, removed when it exits: nothing in it is ever read.
-_NO_SECRETS = tempfile.mkdtemp(prefix="coevo-no-secrets-")
-atexit.register(shutil.rmtree, _NO_SECRETS, ignore_errors=True)
+# An empty folder of this process's, removed when it exits (not when a forked child does): nothing in it is ever
+# read, and DuckDB works on with the folder gone.
+_NO_SECRETS, _MADE_BY = tempfile.mkdtemp(prefix="coevo-no-secrets-"), os.getpid()
+atexit.register(lambda: os.getpid() == _MADE_BY and shutil.rmtree(_NO_SECRETS, ignore_errors=True))
 
 # Settings a locked reader starts with: DuckDB takes some of them only before first use (the secret manager).
 STARTUP = {

@@ -300,3 +300,17 @@ def test_the_empty_secret_folder_goes_when_the_process_exits(tmp_path):
     folder, existed = out.stdout.split()
     assert Path(folder).parent == tmp_path and existed == "True"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_forked_child_leaves_its_parents_secret_folder(tmp_path):
+    """A forked child runs its parent's exit handlers when it exits (a worker forks its flow runs): without the
+    pid check the child removed the folder its parent still named."""
+    code = ("import os, sys, components.store.guard as g\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n    sys.exit(0)\n"
+            "os.waitpid(pid, 0)\n"
+            "print(os.path.isdir(g._NO_SECRETS))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split() == ["True"]
+    assert list(tmp_path.iterdir()) == []  # and the parent's exit removed it
