@@ -985,7 +985,6 @@ def _check_parts(con: duckdb.DuckDBPyConnection, table: str, parts: list[str], r
             if bad is not None:
                 raise duckdb.ConstraintException(f"Constraint Error: {where}; {col} {bad!r} is not one of its "
                                                  f"{owner}")
-            hashes = hashes or []  # NULL: no hash seen twice
         dup = _repeated(con, key, rows, params, hashes)
     if dup is not None:
         raise duckdb.ConstraintException(f"Constraint Error: duplicate key ({key}) = {dup!r} in {table}: the key "
@@ -996,9 +995,10 @@ _MOST = 1000  # candidate hashes compared at once; where all of them prove colli
 
 
 def _twice(key: str, rows: str) -> str:
-    """SQL for the list of `key` hashes that the query `rows` yields more than once (at most `_MOST`; NULL for
+    """SQL for the list of `key` hashes that the query `rows` yields more than once (at most `_MOST`; empty for
     none): the first pass of `_repeated`."""
-    return f"SELECT list(h) FROM (SELECT hash({key}) AS h FROM ({rows}) GROUP BY h HAVING count(*) > 1 LIMIT {_MOST})"
+    return (f"SELECT coalesce(list(h), []) FROM (SELECT hash({key}) AS h FROM ({rows}) GROUP BY h HAVING count(*) > 1 "
+            f"LIMIT {_MOST})")
 
 
 def _repeated(con: duckdb.DuckDBPyConnection, key: str, rows: str, params: list[Any],

@@ -291,13 +291,18 @@ if __name__ == "__main__":
     sys.exit(print_table())
 
 
+def _python_with_tmpdir(tmp: Path, code: str) -> str:
+    """The stdout of `python -c code` run from the repository with TMPDIR=tmp."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "TMPDIR": str(tmp)}, cwd=Path(__file__).resolve().parents[2]).stdout
+
+
 def test_the_empty_secret_folder_goes_when_the_process_exits(tmp_path):
     """Every process that reads the store points DuckDB's secret directory at an empty folder of its own: it
     must not outlive the process (`coevo query` run a thousand times left a thousand folders in /tmp)."""
-    code = "import os, components.store.guard as g; print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=Path(__file__).resolve().parents[2])
-    folder, existed = out.stdout.split()
+    out = _python_with_tmpdir(tmp_path, "import os, components.store.guard as g; "
+                                        "print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS))")
+    folder, existed = out.split()
     assert Path(folder).parent == tmp_path and existed == "True"
     assert list(tmp_path.iterdir()) == []
 
@@ -310,7 +315,5 @@ def test_a_forked_child_leaves_its_parents_secret_folder(tmp_path):
             "if pid == 0:\n    sys.exit(0)\n"
             "os.waitpid(pid, 0)\n"
             "print(os.path.isdir(g._NO_SECRETS))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "TMPDIR": str(tmp_path)}, cwd=Path(__file__).resolve().parents[2])
-    assert out.stdout.split() == ["True"]
+    assert _python_with_tmpdir(tmp_path, code).split() == ["True"]
     assert list(tmp_path.iterdir()) == []  # and the parent's exit removed it
