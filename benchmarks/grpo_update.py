@@ -2,6 +2,12 @@
 side from the same policy, each arm changing one thing about the update.
 
     .venv/bin/python benchmarks/grpo_update.py --model <micro round-0 policy>
+    python benchmarks/grpo_update.py --tiny 512 8 8 1536 --bootstrap-lr 1e-3     # a larger policy, on a GPU
+
+Without `--model`, it first makes the round-0 policy as micro's bootstrap does (a from-scratch tiny Llama of
+`--tiny` hidden size, layers, heads and SwiGLU width; SFT on 600 demonstrations each of levels 1 and 2 plus 8% seed
+demonstrations of level 3, `--bootstrap-steps` of batch 64 at `--bootstrap-lr`, cosine), so the policy's size is
+the one thing that changes.
 
 The round is as micro-grpo samples one: `--problems-per-level` (48) problems each of arith levels 3 and 2, 8
 rollouts each at temperature 1, advantages as the grpo filter computes them (groups with equal rewards dropped).
@@ -39,9 +45,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+from components.config import BootstrapConfig  # noqa: E402
 from components.domains import get_domain  # noqa: E402
 from components.models.backends import HFBackend  # noqa: E402
+from components.models.tiny import TinyLlamaConfig, create_tiny_llama  # noqa: E402
 from components.rl.advantages import group_advantages  # noqa: E402
+from components.training.data import demonstrations  # noqa: E402
 from components.training.grpo import GRPOParams, train_grpo  # noqa: E402
 from components.training.sft import SFTParams, train_sft  # noqa: E402
 
@@ -60,7 +69,13 @@ SFT_ARMS = {"sft": "constant", "sft-refs": "constant", "sft-refs-cosine": "cosin
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="the round's starting policy (a micro round-0 policy)")
+    ap.add_argument("--model", help="the round's starting policy (a micro round-0 policy); omitted: bootstrap one")
+    ap.add_argument("--tiny", type=int, nargs=4, metavar=("HIDDEN", "LAYERS", "HEADS", "WIDTH"),
+                    default=[128, 2, 4, 384],
+                    help="without --model: the from-scratch policy's size (micro's by default)")
+    ap.add_argument("--bootstrap-steps", type=int, default=500)
+    ap.add_argument("--bootstrap-lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0, help="without --model: the init's and the demonstrations' seed")
     ap.add_argument("--learning-rates", type=float, nargs="+", default=[1e-4, 5e-4])
     ap.add_argument("--arms", nargs="+", choices=[*GRPO_ARMS, *SFT_ARMS], default=[*GRPO_ARMS, *SFT_ARMS])
     ap.add_argument("--problems-per-level", type=int, default=48, help="the round's problems at levels 2 and 3 each")
@@ -70,6 +85,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file for the figures")
     args = ap.parse_args()
     d = get_domain("arith", max_level=3, digits=1, test_size=60)
+    if args.model is None:
+        args.model = _bootstrap(d, args)
     n = args.problems_per_level
     train = d.sample_problems(3, n, seed=10) + d.sample_problems(2, n, seed=20)
     seen = {p.prompt for p in train}
@@ -132,6 +149,25 @@ def main() -> None:
                   f"{arm['policy_shift']:+.4f}; own {arm['own']:.3f}, greedy {_levels(arm['greedy'])}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"before": before, "arms": arms}, indent=1))
+
+
+def _bootstrap(d, args) -> str:
+    """Round 0 as configs/micro.yaml's bootstrap makes it, at the policy size `--tiny`."""
+    hidden, layers, heads, width = args.tiny
+    b = BootstrapConfig(levels=[1, 2], problems_per_level=600, seed_levels=[3], seed_fraction=0.08,
+                        steps=args.bootstrap_steps, batch_size=64, learning_rate=args.bootstrap_lr)
+    _, trajs, _ = demonstrations(d, b, args.seed, "grpo-update")
+    init = create_tiny_llama(TinyLlamaConfig(hidden_size=hidden, num_layers=layers, num_heads=heads,
+                                             intermediate_size=width), f"{args.work}/init", seed=args.seed)
+    out = f"{args.work}/round0"
+    m = train_sft(str(init), [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajs], out,
+                  SFTParams(max_steps=b.steps, batch_size=b.batch_size, learning_rate=b.learning_rate, seed=args.seed,
+                            logging_steps=50))
+    params = sum(p.numel() for p in HFBackend(out, progress=False).model.parameters())
+    print(f"bootstrap: {params / 1e6:.2f}M parameters ({hidden}x{layers}, {heads} heads, width {width}), "
+          f"{b.steps} steps at {b.learning_rate:g} on {len(trajs)} demonstrations, final loss {m['final_loss']:.4f}",
+          flush=True)
+    return out
 
 
 def _levels(acc: dict[int, float]) -> str:
