@@ -291,6 +291,25 @@ def test_a_reader_holding_a_transaction_never_delays_a_commit_and_keeps_its_snap
     assert took < 1.0, f"the commit waited {took:.2f}s for a reader"
 
 
+def test_a_commit_leaves_a_core_to_the_readers(tmp_path, monkeypatch):
+    """A writer's connection takes one DuckDB thread fewer than the process may use (at least one); a reader keeps
+    DuckDB's default."""
+    import os
+
+    from components.store import writer_threads
+
+    store = Store(tmp_path / "s")
+    store.init()
+    for cores, want in ((2, 1), (1, 1), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert writer_threads() == want
+        with store.writer() as con:
+            assert con.execute("SELECT current_setting('threads')").fetchone()[0] == want
+    monkeypatch.undo()
+    default = duckdb.connect().execute("SELECT current_setting('threads')").fetchone()[0]
+    assert store.query("SELECT current_setting('threads')")[1] == [(default,)]
+
+
 def test_attempt_dirs_are_never_overwritten(tmp_path):
     ref = StageRunRef("e", 1, "generate", 1)
     _job(tmp_path, ref, 1)
