@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from grpo_agents import mean, print_levels, rows  # noqa: E402
+from grpo_agents import SQL_FIRST_FORM, mean, print_levels, rows  # noqa: E402
 from grpo_vs_rft import _run  # noqa: E402
 
 CONFIG = "configs/sql.yaml"
@@ -56,7 +56,7 @@ def main() -> None:
     report: dict[str, dict[int, list[dict]]] = {}
     per_episode: dict[str, dict[int, float]] = {}
     for seed in args.seeds:
-        base = [f"workdir={args.workdir}", f"seed={seed}"]
+        base = [f"workdir={args.workdir}", f"seed={seed}", *SQL_FIRST_FORM]
         for arm, (boot, exp, extra) in ARMS.items():
             boot, exp = boot.format(seed=seed), exp.format(seed=seed)
             if args.lookup:

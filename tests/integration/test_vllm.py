@@ -194,9 +194,11 @@ def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_
     server = vllm_serve(str(model), port, tmp_path / "serve.log", python=vllm_python, kv_cache_gib=1,
                         served_model_name="policy", dev_mode=True)
     url = f"http://127.0.0.1:{port}/v1"
+    options = {"base_url": url, "timeout_s": 60, "max_retries": 1, "served_model_name": "policy",
+               "reload_weights": True}
     over = [f"workdir={wd}", "experiment=served", "generate.backend=openai", f"policy.model={model}",
-            "bootstrap.steps=0", *ROUND1, f'generate.backend_options={{"base_url": "{url}", "timeout_s": 60, '
-                                          '"max_retries": 1, "served_model_name": "policy", "reload_weights": true}']
+            "bootstrap.steps=0", *ROUND1, "score.mc_max_trajectories=24",
+            f"generate.backend_options={json.dumps(options)}"]
     cfg = load_config(CONFIG, over)
     try:
         self_evolution(config_path=str(CONFIG), overrides=over)
