@@ -121,6 +121,23 @@ def repo() -> Path:
     return REPO
 
 
+def untied_copy(model: str | Path, dst: Path) -> Path:
+    """`model` with `tie_word_embeddings` off and its output layer a copy of its embeddings: the same function."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model)
+    m.config.tie_word_embeddings = False
+    m.lm_head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.detach().clone())
+    m.save_pretrained(dst)
+    for f in Path(model).iterdir():  # the tokenizer and chat template, as they were
+        if f.is_file() and not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """Prefect's real local server (temporary, SQLite), for the whole session."""

@@ -18,7 +18,7 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO, run_coevo
+from tests.conftest import REPO, run_coevo, untied_copy
 
 pytestmark = pytest.mark.slow
 
@@ -545,8 +545,9 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
     (a `--size micro` stand-in, as vLLM's CPU attention needs a head of 32 or more, after a short bootstrap on HF),
     through HF, through the vLLM engine in .venv-vllm, and through a `vllm serve` of it. Greedy episodes (all in
     float32) agree turn for turn but where two logits tie to rounding; every sampled turn keeps the ids the engine
-    drew, which decode to the turn's text. The vLLM run goes on for a whole round: its episodes, their Monte Carlo
-    turn labels and the held-out episodes of the model trained on them, each sampled by the engine."""
+    drew, which decode to the turn's text. The served run goes on for a whole round on the same server, each stage
+    loading its policy into it (`reload_weights`): its episodes, their Monte Carlo turn labels and the held-out
+    episodes of the model trained on them."""
     from transformers import AutoTokenizer
 
     from components.servers import free_port, vllm_serve
@@ -571,14 +572,19 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
 
     run("hf", [f"policy.model={model}", "bootstrap.steps=150"])
     trained = runs["hf"][1].committed_model("calc-hf", 0, "policy")["uri"]  # the same weights, copied as round 0
-    run("vllm", ["generate.backend=vllm", "bootstrap.steps=0", f"policy.model={trained}", "rounds=1",
-                 "generate.problems_per_level=3", "generate.samples_per_problem=2", "score.mc_rollouts=2",
-                 "score.mc_max_trajectories=4", "train_policy.steps=5"])
+    run("vllm", ["generate.backend=vllm", "bootstrap.steps=0", f"policy.model={trained}"])
+    # vLLM's CPU build keeps a tied output layer's prepacked weights across a reload: serve an untied copy.
+    untied = untied_copy(trained, w / "untied")
     port = free_port()
-    server = vllm_serve(trained, port, w / "serve.log", python=vllm_python, kv_cache_gib=1)
+    server = vllm_serve(str(untied), port, w / "serve.log", python=vllm_python, kv_cache_gib=1,
+                        served_model_name="policy", dev_mode=True)
+    options = {"base_url": f"http://127.0.0.1:{port}/v1", "timeout_s": 60, "served_model_name": "policy",
+               "reload_weights": True}
     try:
-        run("openai", ["generate.backend=openai", "bootstrap.steps=0", f"policy.model={trained}",
-                       f'generate.backend_options={{"base_url": "http://127.0.0.1:{port}/v1", "timeout_s": 60}}'])
+        run("openai", ["generate.backend=openai", "bootstrap.steps=0", f"policy.model={untied}", "rounds=1",
+                       "generate.problems_per_level=3", "generate.samples_per_problem=2", "score.mc_rollouts=2",
+                       "score.mc_max_trajectories=4", "train_policy.steps=5",
+                       f"generate.backend_options={json.dumps(options)}"])
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
@@ -604,12 +610,13 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
                              for text, ids in turns), name
         metrics = json.loads(store.committed_run(cfg.experiment, 0, "evaluate")["metrics_json"])
         assert metrics["agent_episodes"] == len(hf), name
-    # Round 1 through vLLM: every sampling stage ran on the engine (its prefix cache was queried), the episodes
-    # keep the engine's ids, and the Monte Carlo turn labels are rollouts it drew.
-    cfg, store = runs["vllm"]
+    # Round 1 through the server: every sampling stage loaded its policy into it once (round 1's evaluate the
+    # policy the round trained), the episodes keep the server's ids, and the Monte Carlo turn labels are rollouts
+    # it drew.
+    cfg, store = runs["openai"]
     for stage in ("generate", "score", "evaluate"):
         metrics = json.loads(store.committed_run(cfg.experiment, 1, stage)["metrics_json"])
-        assert metrics.get("engine_prefix_cache_queries", 0) > 0, (stage, metrics)
+        assert metrics.get("engine_weight_reloads") == 1, (stage, metrics)
     _, turns = store.query("SELECT u.content, u.token_ids FROM turns u JOIN trajectories t USING (trajectory_id) "
                            "WHERE t.experiment_id = ? AND t.round = 1 AND u.role = 'assistant'", [cfg.experiment])
     assert turns and all(ids and tok.decode(ids, skip_special_tokens=True).strip() == text.strip()
@@ -619,8 +626,8 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
                             [cfg.experiment])
     assert labels and all(n > 0 for _, n, _ in labels), labels
     held_out = json.loads(store.committed_run(cfg.experiment, 1, "evaluate")["metrics_json"])["agent_episodes"]
-    print(f"round 1 through vllm: {len(turns)} assistant turns with the engine's ids; turn labels {labels}; "
-          f"held-out {held_out:.0f} episodes")
+    print(f"round 1 through vllm serve, weights reloaded by each stage: {len(turns)} assistant turns with the "
+          f"server's ids; turn labels {labels}; held-out {held_out:.0f} episodes")
     vllm_metrics = json.loads(runs["vllm"][1].committed_run("calc-vllm", 0, "evaluate")["metrics_json"])
     assert vllm_metrics["engine_prefix_cache_queries"] > 0
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, untied_copy
 
 pytestmark = pytest.mark.slow
 
@@ -155,23 +155,6 @@ def test_the_micro_configs_sampling_stages_commit_through_vllm_what_they_commit_
         metrics = _stage(store, "vllm", 1, stage)["metrics"]
         assert 0 <= metrics["engine_prefix_cache_hit_rate"] <= 1 and metrics["engine_prefix_cache_queries"] > 0
         assert "engine_prefix_cache_hit_rate" not in _stage(store, "hf", 1, stage)["metrics"]
-
-
-def untied_copy(model: str | Path, dst: Path) -> Path:
-    """`model` with `tie_word_embeddings` off and its output layer a copy of its embeddings: the same function."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model)
-    m.config.tie_word_embeddings = False
-    m.lm_head.weight = torch.nn.Parameter(m.get_input_embeddings().weight.detach().clone())
-    m.save_pretrained(dst)
-    for f in Path(model).iterdir():
-        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
-            shutil.copy(f, dst / f.name)
-    return dst
 
 
 def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_run, tmp_path):
