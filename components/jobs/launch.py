@@ -332,8 +332,9 @@ def when_store_free(write: Callable[[], T], log: Callable[[str], None], what: st
 def content_hashes(out_dir: Path) -> dict[str, str]:
     """Per-table hash of a published attempt's rows, plus each artifact's sha256.
 
-    Paths that name the attempt (a model's `uri`) are left out: they say where, not what. Model ids are read
-    without their `/a<attempt>`, as the store's content hashes read them (`components.store.content_hash_sql`).
+    Paths that name the attempt (a model's `uri`) are left out: they say where, not what; so are the columns
+    that time the work (a turn's `latency_s`). Model ids are read without their `/a<attempt>`, as the store's
+    content hashes read them (`components.store.content_hash_sql`).
     """
     import hashlib
     import json
@@ -343,14 +344,14 @@ def content_hashes(out_dir: Path) -> dict[str, str]:
     import pyarrow.parquet as pq
 
     from components.manifest import read_manifest
-    from components.store import ATTEMPT_COLUMNS, ATTEMPT_SUFFIX
+    from components.store import ATTEMPT_SUFFIX, NOT_CONTENT
 
     m = read_manifest(out_dir / MANIFEST)
     out: dict[str, str] = {}
     for table in sorted({o["table"] for o in m.outputs}):
         data = pa.concat_tables([pq.read_table(p) for p in m.output_paths(out_dir, table)])
         rows = [{k: re.sub(ATTEMPT_SUFFIX, "", v) if k.endswith("model_id") and isinstance(v, str) else v
-                 for k, v in row.items() if k not in ATTEMPT_COLUMNS} for row in data.to_pylist()]
+                 for k, v in row.items() if k not in NOT_CONTENT} for row in data.to_pylist()]
         out[f"table:{table}"] = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
     for a in m.artifacts:
         out[f"artifact:{a['name']}"] = a["sha256"]

@@ -1031,14 +1031,18 @@ def _repeated(con: duckdb.DuckDBPyConnection, key: str, rows: str, params: list[
 ATTEMPT_SUFFIX = r"/a[0-9]+$"
 # Columns that say which attempt wrote a row, where its files lie, or where MLflow tracks it: not what it holds.
 ATTEMPT_COLUMNS = ("stage_run_id", "uri", "mlflow_run_id", "registered_name", "registered_version")
+# Columns that time the work (a turn's wall time): a rerun of the same work measures them anew.
+MEASURED_COLUMNS = ("latency_s",)
+# What content hashes leave out.
+NOT_CONTENT = ATTEMPT_COLUMNS + MEASURED_COLUMNS
 
 
 def content_hash_sql(table: str, columns: Sequence[str], where: str) -> str:
     """`SELECT count(*), <hash>` over the table's rows that match `where`: a row's content is its columns less
-    `ATTEMPT_COLUMNS`, with model ids read without their `/a<attempt>` (a rerun's model is the same content
+    `NOT_CONTENT`, with model ids read without their `/a<attempt>` (a rerun's model is the same content
     under a new id)."""
     exprs = [f"regexp_replace({c}, '{ATTEMPT_SUFFIX}', '')" if c.endswith("model_id") else c
-             for c in columns if c not in ATTEMPT_COLUMNS]
+             for c in columns if c not in NOT_CONTENT]
     row = f"CAST(row({', '.join(exprs)}) AS VARCHAR)"
     return f"SELECT count(*), coalesce(md5(string_agg({row}, '|' ORDER BY {row})), '') FROM {table} WHERE {where}"
 

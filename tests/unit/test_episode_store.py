@@ -88,6 +88,26 @@ def test_episodes_are_stored_turn_by_turn_and_summed_in_the_views(tmp_path):
     assert [r[:3] for r in stats] == [("calculate", 3, 1), ("invalid", 1, 1)] and stats[1][3] == 1.0
 
 
+def test_a_turns_wall_time_is_not_its_content(tmp_path):
+    """The same episodes run twice differ in their turns' `latency_s` alone: `coevo verify-reproducible` (the
+    parts' content hashes) and the store's table hashes read them as the same content."""
+    from components.jobs.launch import content_hashes
+
+    ref = StageRunRef("e", 1, "generate", 1)
+    got = {}
+    for name in ("a", "b"):
+        store = Store(tmp_path / name / "s")
+        store.register_experiment("e", "{}", "h", 1, "agent", None)
+        _commit(store, tmp_path / name, ref, _episodes())
+        latency = store.query("SELECT list(latency_s ORDER BY trajectory_id, turn_index) FROM turns")[1][0][0]
+        got[name] = (latency, content_hashes(tmp_path / name / ref.stage_run_id.replace("/", "_")),
+                     store.table_hashes("e"))
+    (lat_a, parts_a, tables_a), (lat_b, parts_b, tables_b) = got["a"], got["b"]
+    assert lat_a != lat_b and any(x is not None for x in lat_a)  # measured anew: the subject is there
+    assert "table:turns" in parts_a and parts_a == parts_b
+    assert tables_a["turns"][0] > 0 and tables_a == tables_b
+
+
 def test_a_version_2_store_gains_the_turns_table_from_its_first_writer(tmp_path):
     store = Store(tmp_path / "s")
     store.register_experiment("e", "{}", "h", 1, "agent", None)
