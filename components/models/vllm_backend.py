@@ -41,14 +41,19 @@ def _max_positions(model: str) -> int:
 class VLLMBackend:
     """`batch_size` is vLLM's `max_num_seqs`. On a CPU build `cpu_kv_cache_gib` sets the KV cache (where
     `VLLM_CPU_KVCACHE_SPACE` does not); on a GPU `gpu_memory_utilization` does, and < 0.9 leaves room for a
-    reward model in the same job. `engine_kwargs` go to `vllm.LLM`."""
+    reward model in the same job. `engine_kwargs` go to `vllm.LLM`.
+
+    `in_process` runs the engine core in the job's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) instead of
+    vLLM's default, a process of its own. None (the default) does so on a CPU, where a job otherwise spends
+    about 13 s starting that process and importing vLLM in it again, unless that variable is set; on a GPU it
+    keeps vLLM's default. vLLM reads the variable at a process's first engine."""
 
     def __init__(self, model_name_or_path: str, batch_size: int = 256, gpu_memory_utilization: float = 0.5,
                  dtype: str | None = None, seed: int = 0, max_model_len: int | None = None,
                  stop: list[str] | None = None, enable_prefix_caching: bool = True, cpu_kv_cache_gib: int = 2,
                  enforce_eager: bool = True, prompt_format: Any = None, max_prompt_length: int | None = None,
                  max_truncated_fraction: float = 0.0, setting: str = "generate",
-                 engine_kwargs: dict[str, Any] | None = None):
+                 engine_kwargs: dict[str, Any] | None = None, in_process: bool | None = None):
         from components.training.lora import is_adapter_dir
 
         self.model = str(model_name_or_path)
@@ -72,6 +77,13 @@ class VLLMBackend:
             # CPU torch.Generator cannot rewind ("CPU Generator does not use offset"): whole prompts only.
             engine.setdefault("enable_chunked_prefill", False)
             engine.setdefault("max_num_batched_tokens", max(8192, max_model_len or _max_positions(self.model)))
+        if in_process is not None:  # vLLM reads it once a process, at its first engine
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        elif not _cuda():
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import torch
+
+        set_num_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op, in whichever process
         try:
             # dtype None is float32, as for hf (vLLM's "auto" would pick bfloat16 on a CPU); disable_log_stats
             # False keeps the engine's counters, which stats() reads.
@@ -82,10 +94,12 @@ class VLLMBackend:
         except Exception as e:  # vLLM raises many types; each says why in its message
             why = f"the engine failed to start: {type(e).__name__}: {e}"
             if "initialization failed" in str(e) or "memory" in str(e).lower():
-                # Raised in the engine's own process, the cause is in its log above this line.
-                why += (" (the engine's log above has the cause; if out of memory: lower cpu_kv_cache_gib or "
-                        "gpu_memory_utilization, max_model_len or batch_size in generate.backend_options)")
+                # Raised in an engine process of its own, the cause is in that process's log above this line.
+                why += (" (an engine process's cause is in its log above; if out of memory: lower cpu_kv_cache_gib "
+                        "or gpu_memory_utilization, max_model_len or batch_size in generate.backend_options)")
             raise BackendError("vllm", self.model, why, transient=False) from e
+        finally:
+            torch.set_num_threads = set_num_threads  # the job's own settings stay its own
         self.stop = stop
 
     @property
