@@ -30,7 +30,7 @@ os.environ.setdefault("COEVO_TORCH_THREADS", "1")
 # -- two workers (`make test`: pytest-xdist, `-n 2`) -------------------------------------------------
 
 # A session fixture runs once per worker, so the tests that read one shared run must all go to one
-# worker, and each other slow module (its module-scoped run) stays whole. xdist's own `loadgroup` marks
+# worker, and each other module (its module-scoped fixtures: a run, a trained model) stays whole. xdist's own `loadgroup` marks
 # do not reach its scheduler under pytest 9 (it renames `item._nodeid`, which pytest 9 no longer reads),
 # and the scheduler sees node ids only: the groups are by path, and collection checks them against the
 # fixtures each test uses, so a test that reads a shared run from outside its group fails at once.
@@ -40,16 +40,17 @@ SHARED_RUNS = {  # group: (the session fixture, the paths of the tests that use 
                                 "tests/integration/test_implicit_prm.py", "tests/integration/test_search.py",
                                 "tests/ops/")),
 }
-SLOW_DIRS = ("tests/integration/", "tests/extension/", "tests/ui/", "tests/ops/", "tests/fault/")
+SLOW_DIRS = ("tests/integration/", "tests/extension/", "tests/ui/", "tests/ops/", "tests/fault/")  # scheduled first
 
 
 def test_group(nodeid: str) -> str:
-    """The unit of work one worker takes whole: a shared run's group, a slow module, or the test itself."""
+    """The unit of work one worker takes whole: a shared run's group, else the test's module. A module's
+    fixtures (module scope) are then made once, not once on each worker that runs one of its tests."""
     path = nodeid.split("::", 1)[0]
     for group, (_, paths) in SHARED_RUNS.items():
         if path.startswith(paths):
             return group
-    return path if path.startswith(SLOW_DIRS) else nodeid
+    return path
 
 
 test_group.__test__ = False  # a helper, not a test
@@ -73,14 +74,14 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
             if fixture in names and test_group(item.nodeid) != group:
                 raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add its path to SHARED_RUNS[{group!r}] in "
                                         "tests/conftest.py, so one worker runs every test of that shared run")
-    # The longest groups first, so that each worker starts one, then the slow modules, and the short tests
+    # The longest groups first, so that each worker starts one, then the slow modules, and the short ones
     # fill in behind them (make test keeps this order: --no-loadscope-reorder). A stable sort keeps each
     # group's own order (the fault tests read their runs in file order).
     order = [*SHARED_RUNS, "slow"]
 
     def rank(item) -> int:
         g = test_group(item.nodeid)
-        return order.index(g) if g in SHARED_RUNS else order.index("slow") if g != item.nodeid else len(order)
+        return order.index(g) if g in SHARED_RUNS else order.index("slow") if g.startswith(SLOW_DIRS) else len(order)
 
     items.sort(key=rank)
 

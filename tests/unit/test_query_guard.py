@@ -155,43 +155,57 @@ def guarded(tmp_path, monkeypatch):
     return make_store(tmp_path)
 
 
+@pytest.fixture(scope="module")
+def shared_guarded(tmp_path_factory):
+    """`guarded` made once for the statements that only read or are refused (1.4 s a store): each test checks
+    that it left every file under the root as it found it, so the next starts from the same store."""
+    root = tmp_path_factory.mktemp("guarded")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(root / "home"))
+        store, paths = make_store(root)
+        yield store, paths, root
+
+
 def _store_unchanged(store: Store) -> None:
     assert store.query("SELECT problem_id, answer FROM problems ORDER BY 1")[1] == [("p1", "2"), ("p2", "4")]
     assert {r[0] for r in store.query("SHOW TABLES")[1]}.isdisjoint({"x", "v", "leaked", "other"})
 
 
 @pytest.mark.parametrize("sql, message", [c[1:] for c in ESCAPES], ids=[c[0] for c in ESCAPES])
-def test_escape_is_refused_and_nothing_is_written_or_read(guarded, tmp_path, sql, message):
-    store, paths = guarded
+def test_escape_is_refused_and_nothing_is_written_or_read(shared_guarded, sql, message):
+    store, paths, root = shared_guarded
     sql = sql.format(**paths)
-    before = _files(tmp_path)
+    before = _files(root)
     with pytest.raises(StoreError) as e:
         store.query(sql)
     said = str(e.value)
     assert message in said.splitlines()[0], said
-    assert MARKER not in said and str(tmp_path / "home") not in said
+    assert MARKER not in said and str(root / "home") not in said
     assert not any(Path(paths["out"]).iterdir())
-    assert _files(tmp_path) == before  # not the store, not $HOME, nothing
+    assert _files(root) == before  # not the store, not $HOME, nothing
     _store_unchanged(store)
 
 
 @pytest.mark.parametrize("how", ["query", "query_arrow", "query_df", "rows"])
 @pytest.mark.parametrize("case", ["select-then-copy", "read_text", "create-macro"])
-def test_every_read_path_is_guarded(guarded, tmp_path, how, case):
-    store, paths = guarded
+def test_every_read_path_is_guarded(shared_guarded, how, case):
+    store, paths, root = shared_guarded
+    before = _files(root)
     _, sql, message = next(c for c in ESCAPES if c[0] == case)
     with pytest.raises(QueryRefused, match="^" + re.escape(message)) as e:
         getattr(store, how)(sql.format(**paths))
-    assert MARKER not in str(e.value) and not any(Path(paths["out"]).iterdir())
+    assert MARKER not in str(e.value) and _files(root) == before
 
 
 @pytest.mark.parametrize("sql, params, rows", [c[1:] for c in ALLOWED], ids=[c[0] for c in ALLOWED])
-def test_read_only_statements_pass(guarded, sql, params, rows):
-    store, _ = guarded
+def test_read_only_statements_pass(shared_guarded, sql, params, rows):
+    store, _, root = shared_guarded
+    before = _files(root)
     cols, got = store.query(sql, params)
     assert cols and got
     if rows is not None:
         assert got == rows
+    assert _files(root) == before
 
 
 def test_the_reader_is_locked_even_without_the_parser_check(guarded):
