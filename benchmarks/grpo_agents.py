@@ -14,6 +14,10 @@ Per seed, the environment's config (configs/<env>.yaml) trains a round-0 policy 
   (`score.mc_rollouts: 2`): each assistant turn is valued by going on from it, with its observations, twice, and
   its tokens get their own advantage. The labelling rollouts count in its token budget.
 
+On sql the config is its first form by default (levels 1-3 demonstrated, 5% of level 4: the figures docs/grpo.md
+measured first); `--sql-form shipped` runs it as shipped (levels 1-4, 2% of level 5), its experiments named
+`bench-sql-shipped-...`.
+
 Each arm is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. Then, from the store (`v_round_summary`): held-out greedy accuracy per level by round, cumulative tokens
 (sampled + labelling), each arm's gain from round 0 on the hardest level and on the mean over levels, and where a
@@ -91,6 +95,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--positions", type=int, default=768, help="the stand-in's context, in tokens")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--sql-form", choices=["first", "shipped"], default="first",
+                    help="sql: configs/sql.yaml's first form (levels 1-3 and 5%% of level 4 demonstrated; the "
+                         "docs' figures), or as shipped (levels 1-4 and 2%% of level 5)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from components.store import Store
@@ -103,14 +110,16 @@ def main() -> None:
         subprocess.run([str(REPO / ".venv" / "bin" / "coevo"), "build-model", str(model), "--domain", args.env,
                         "--size", "micro", "--positions", str(args.positions)], cwd=REPO, check=True)
     report: dict[str, dict[int, list[dict]]] = {}
+    first = args.env == "sql" and args.sql_form == "first"
+    tag = "-shipped" if args.env == "sql" and not first else ""  # the two forms' experiments apart
     for seed in args.seeds:
-        base = [f"workdir={args.workdir}", f"seed={seed}", *(SQL_FIRST_FORM if args.env == "sql" else [])]
-        boot = f"bench-{args.env}-boot-s{seed}"
+        base = [f"workdir={args.workdir}", f"seed={seed}", *(SQL_FIRST_FORM if first else [])]
+        boot = f"bench-{args.env}{tag}-boot-s{seed}"
         print(f"[bench] seed {seed}: round-0 policy", flush=True)
         _run(config, [*base, f"experiment={boot}", "rounds=0", f"policy.model={model}"], args.workdir / f"{boot}.log")
         start = Store(args.workdir / "store").committed_model(boot, 0, "policy")["uri"]
         for arm in args.arms:
-            exp = f"bench-{args.env}-{arm}-s{seed}"
+            exp = f"bench-{args.env}{tag}-{arm}-s{seed}"
             print(f"[bench] seed {seed}: {arm}", flush=True)
             _run(config, [*base, f"rounds={args.rounds}", f"experiment={exp}", f"policy.model={start}",
                           "bootstrap.steps=0", *ARMS[arm]], args.workdir / f"{exp}.log")
@@ -122,7 +131,7 @@ def main() -> None:
         print(f"{arm:13s} " + "  ".join(
             f"seed {s}: L{hardest} {rs[-1]['levels'].get(hardest, 0) - rs[0]['levels'].get(hardest, 0):+.3f}, "
             f"mean {mean(rs[-1]) - mean(rs[0]):+.3f} at {rs[-1]['budget']} tokens" for s, rs in seeds.items()))
-    print_round_times(Store(args.workdir / "store"), {f"{arm} seed {seed}": f"bench-{args.env}-{arm}-s{seed}"
+    print_round_times(Store(args.workdir / "store"), {f"{arm} seed {seed}": f"bench-{args.env}{tag}-{arm}-s{seed}"
                                                       for seed in args.seeds for arm in args.arms})
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
