@@ -30,10 +30,10 @@ os.environ.setdefault("COEVO_TORCH_THREADS", "1")
 # -- two workers (`make test`: pytest-xdist, `-n 2`) -------------------------------------------------
 
 # A session fixture runs once per worker, so the tests that read one shared run must all go to one
-# worker, and each other module (its module-scoped fixtures: a run, a trained model) stays whole. xdist's own `loadgroup` marks
-# do not reach its scheduler under pytest 9 (it renames `item._nodeid`, which pytest 9 no longer reads),
-# and the scheduler sees node ids only: the groups are by path, and collection checks them against the
-# fixtures each test uses, so a test that reads a shared run from outside its group fails at once.
+# worker, and each other module (its module-scoped fixtures: a run, a trained model) stays whole. xdist's
+# own `loadgroup` marks do not reach its scheduler under pytest 9 (it renames `item._nodeid`, which pytest 9
+# no longer reads), and the scheduler sees node ids only: the groups are by path, and collection checks them
+# against the fixtures each test uses, so a test that reads a shared run from outside its group fails at once.
 SHARED_RUNS = {  # group: (the session fixture, the paths of the tests that use it)
     "fault": ("fault_runs", ("tests/fault/",)),
     "micro": ("micro_workdir", ("tests/integration/test_pipeline.py", "tests/integration/test_coevo_recipe.py",
