@@ -70,17 +70,16 @@ class VLLMBackend:
         self.prompts = PromptEncoder.from_pretrained(self.model, None, prompt_format, max_prompt_length,
                                                      max_truncated_fraction, setting)
         engine = dict(engine_kwargs or {})
+        if in_process is not None:  # vLLM reads it once a process, at its first engine
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         if not _cuda():
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
             # The KV cache's size on the CPU build (VLLM_CPU_KVCACHE_SPACE, where set, overrides it).
             engine.setdefault("kv_cache_memory_bytes", cpu_kv_cache_gib * 2**30)
             # vllm-cpu 0.32 rewinds a request's seeded generator when chunked prefill splits its prompt, and a
             # CPU torch.Generator cannot rewind ("CPU Generator does not use offset"): whole prompts only.
             engine.setdefault("enable_chunked_prefill", False)
             engine.setdefault("max_num_batched_tokens", max(8192, max_model_len or _max_positions(self.model)))
-        if in_process is not None:  # vLLM reads it once a process, at its first engine
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
-        elif not _cuda():
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         import torch
 
         set_num_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op, in whichever process
