@@ -25,8 +25,10 @@ scripts, and on an open connection a parse error would echo them back.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -45,10 +47,26 @@ class QueryRefused(StoreError):
     """The SQL is not one read-only statement, or it reached outside the store."""
 
 
-# An empty folder of this process's, removed when it exits (not when a forked child does): nothing in it is ever
-# read, and DuckDB works on with the folder gone.
-_NO_SECRETS, _MADE_BY = tempfile.mkdtemp(prefix="coevo-no-secrets-"), os.getpid()
-atexit.register(lambda: os.getpid() == _MADE_BY and shutil.rmtree(_NO_SECRETS, ignore_errors=True))
+def _empty_folder() -> str:
+    """An empty folder for DuckDB's secret directory: nothing is ever written to it or read from it.
+
+    One per user, made once and kept (`<tmp>/coevo-no-secrets-<uid>`), so that a process killed before its exit
+    handlers run leaves nothing behind: one folder per process, removed at exit, left 387 in /tmp after a day of
+    tests whose jobs are killed on purpose. Where that folder is not a private empty folder of this user's (a
+    link, someone else's, open to others, or holding a file), the process makes one of its own and removes it
+    when it exits (not when a forked child does); DuckDB works on with the folder gone."""
+    shared = os.path.join(tempfile.gettempdir(), f"coevo-no-secrets-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(shared, 0o700)
+    st = os.lstat(shared)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077 and not os.listdir(shared):
+        return shared
+    own, made_by = tempfile.mkdtemp(prefix="coevo-no-secrets-"), os.getpid()
+    atexit.register(lambda: os.getpid() == made_by and shutil.rmtree(own, ignore_errors=True))
+    return own
+
+
+_NO_SECRETS = _empty_folder()
 
 # Settings a locked reader starts with: DuckDB takes some of them only before first use (the secret manager).
 STARTUP = {

@@ -311,23 +311,55 @@ def _python_with_tmpdir(tmp: Path, code: str) -> str:
                           env={**os.environ, "TMPDIR": str(tmp)}, cwd=Path(__file__).resolve().parents[2]).stdout
 
 
-def test_the_empty_secret_folder_goes_when_the_process_exits(tmp_path):
-    """Every process that reads the store points DuckDB's secret directory at an empty folder of its own: it
-    must not outlive the process (`coevo query` run a thousand times left a thousand folders in /tmp)."""
+def test_readers_share_one_empty_secret_folder_that_a_killed_one_cannot_leak(tmp_path):
+    """Every process that reads the store points DuckDB's secret directory at an empty folder. One folder per
+    process, removed at exit, leaked one per killed job (387 in /tmp after a day of the suite): now every process
+    of a user shares one private folder, so a thousand readers, killed or not, leave that one."""
+    code = "import os, components.store.guard as g; print(g._NO_SECRETS)"
+    first, second = (_python_with_tmpdir(tmp_path, code).strip() for _ in range(2))
+    killed = subprocess.run([sys.executable, "-c", "import os, signal, components.store.guard; "
+                             "os.kill(os.getpid(), signal.SIGKILL)"], env={**os.environ, "TMPDIR": str(tmp_path)},
+                            cwd=Path(__file__).resolve().parents[2])
+    assert killed.returncode == -9
+    shared = tmp_path / f"coevo-no-secrets-{os.getuid()}"
+    assert first == second == str(shared)
+    assert list(tmp_path.iterdir()) == [shared] and list(shared.iterdir()) == []
+    assert shared.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("spoil", ["a file in it", "open to others", "a link"])
+def test_a_shared_folder_that_is_not_private_and_empty_is_not_used(tmp_path, spoil):
+    """A secret left in the shared folder would be loaded by every reader: then, or where the folder is open to
+    others or a link to elsewhere, a process makes an empty folder of its own and removes it when it exits."""
+    shared = tmp_path / f"coevo-no-secrets-{os.getuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    if spoil == "a link":
+        shared.symlink_to(elsewhere)
+    else:
+        shared.mkdir(mode=0o700)
+        if spoil == "a file in it":
+            (shared / "s3.duckdb_secret").write_text("")
+        else:
+            shared.chmod(0o777)
+    before = sorted(tmp_path.rglob("*"))
     out = _python_with_tmpdir(tmp_path, "import os, components.store.guard as g; "
-                                        "print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS))")
-    folder, existed = out.split()
-    assert Path(folder).parent == tmp_path and existed == "True"
-    assert list(tmp_path.iterdir()) == []
+                                        "print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS), os.listdir(g._NO_SECRETS))")
+    folder, existed, listed = out.split()
+    assert Path(folder).parent == tmp_path and Path(folder) not in (shared, elsewhere)
+    assert (existed, listed) == ("True", "[]")
+    assert sorted(tmp_path.rglob("*")) == before  # its own folder went when it exited
 
 
-def test_a_forked_child_leaves_its_parents_secret_folder(tmp_path):
+def test_a_forked_child_leaves_its_parents_own_secret_folder(tmp_path):
     """A forked child runs its parent's exit handlers when it exits (a worker forks its flow runs): without the
     pid check the child removed the folder its parent still named."""
+    (tmp_path / f"coevo-no-secrets-{os.getuid()}").mkdir(mode=0o777)  # not private: the process makes its own
     code = ("import os, sys, components.store.guard as g\n"
             "pid = os.fork()\n"
             "if pid == 0:\n    sys.exit(0)\n"
             "os.waitpid(pid, 0)\n"
-            "print(os.path.isdir(g._NO_SECRETS))\n")
-    assert _python_with_tmpdir(tmp_path, code).split() == ["True"]
-    assert list(tmp_path.iterdir()) == []  # and the parent's exit removed it
+            "print(os.path.isdir(g._NO_SECRETS), g._NO_SECRETS)\n")
+    existed, folder = _python_with_tmpdir(tmp_path, code).split()
+    assert existed == "True" and Path(folder).name.startswith("coevo-no-secrets-") and Path(folder).exists() is False
+    assert [p.name for p in tmp_path.iterdir()] == [f"coevo-no-secrets-{os.getuid()}"]  # the parent's exit removed it
