@@ -180,6 +180,9 @@ class CodeEnv(FileProblems):
     max_level: int = 5
     test_size: int = 20
     tasks: str | None = None  # a HumanEval/MBPP-style JSONL file; None: generated tasks
+    # The share of reference episodes that first try the solution with one integer constant changed, read the
+    # failing tests, then try the solution itself: demonstrations of revising, not only of passing.
+    revise_fraction: float = 0.0
     isolation: str = "bwrap"  # "none" runs model code on the host: only by an explicit config switch
     sandbox_limits: Limits = Limits(wall_s=5.0, cpu_s=2, memory_mb=512, output_bytes=65536)
     limits: EpisodeLimits = EpisodeLimits(max_turns=3, max_wall_s=60.0, max_observation_chars=600)
@@ -190,6 +193,8 @@ class CodeEnv(FileProblems):
     _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        if not 0.0 <= self.revise_fraction <= 1.0:
+            raise CodeError(f"{self.name}: revise_fraction must be within [0, 1], got {self.revise_fraction}")
         self.sandbox = Sandbox(self.sandbox_limits, self.isolation)
         if self.tasks is not None:
             self._load(Path(self.tasks))
@@ -260,10 +265,34 @@ class CodeEnv(FileProblems):
         return float(passed == len(problem.meta["tests"]))
 
     def reference_episode(self, problem: Problem) -> list[Message]:
-        """The solution tried with `run_tests`, its report, then the same solution as the answer."""
+        """The solution tried with `run_tests`, its report, then the same solution as the answer. A
+        `revise_fraction` of them (chosen by problem, so the same each time) first try a flawed copy of the
+        solution (`flawed`) and read which tests fail."""
         solution = problem.meta.get("solution")
         if not solution:
             raise CodeError(f"{self.name}: task {problem.meta.get('task_id') or problem.problem_id} has no reference "
                             "solution (canonical_solution or code)")
-        call = toolcalls.format_call("run_tests", {"code": solution})
-        return reference_messages(self, problem, [(call, None), (f"```python\n{solution}\n```", None)], self.limits)
+        tries = [solution]
+        rng = random.Random(problem.problem_id)
+        if rng.random() < self.revise_fraction and self.limits.max_turns >= 3:
+            wrong = flawed(solution, rng)
+            if wrong is not None and self.run_tests(problem, wrong)[0] < len(problem.meta["tests"]):
+                tries.insert(0, wrong)
+        turns = [(toolcalls.format_call("run_tests", {"code": code}), None) for code in tries]
+        return reference_messages(self, problem, [*turns, (f"```python\n{solution}\n```", None)], self.limits)
+
+
+_INT = re.compile(r"(?<![\w.'\"])\d+(?![\w.'\"])")
+
+
+def flawed(solution: str, rng: random.Random) -> str | None:
+    """`solution` with one integer constant of its body moved by 1 or 2 (never below 0): the slip a small model
+    makes copying a task's numbers. None when the body has no integer constant."""
+    body = solution.find("\n") + 1
+    found = list(_INT.finditer(solution, body))
+    if not found:
+        return None
+    m = rng.choice(found)
+    value = int(m.group())
+    other = rng.choice([v for v in (value - 2, value - 1, value + 1, value + 2) if v >= 0])
+    return solution[:m.start()] + str(other) + solution[m.end():]

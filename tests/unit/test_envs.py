@@ -235,6 +235,34 @@ def test_run_tests_reports_failures_and_a_hostile_answer_fails_safely(code_env):
     assert (done.done, done.reward) == (True, 1.0)
 
 
+def test_revise_demonstrations_fail_first_then_pass_through_the_loop():
+    """`revise_fraction` reference episodes try the solution with one constant moved, read the failing tests,
+    then try and answer the solution: the loop replays them to reward 1, and which problems revise is fixed."""
+    env = CodeEnv(revise_fraction=1.0)
+    problems = [p for level in env.levels() for p in env.sample_problems(level, 2, seed=3)]
+    records, _ = replay(env, problems)
+    assert [r.reward for r in records] == [1.0] * len(problems)
+    revised = 0
+    for p, rec in zip(problems, records):
+        reports = [t.content for t in rec.turns if t.role == "tool"]
+        calls = [json.loads(t.tool_arguments)["code"] for t in rec.turns if t.role == "tool"]
+        total = len(p.meta["tests"])
+        if len(reports) == 2:  # some bodies have no constant (`return max(xs) - min(xs) if xs else 0` has one)
+            revised += 1
+            assert not reports[0].startswith(f"{total}/{total}") and "FAILED assert f(" in reports[0]
+            assert reports[1] == f"{total}/{total} tests passed" and calls[1] == p.meta["solution"]
+            assert calls[0] != calls[1] and len(calls[0].splitlines()) == len(calls[1].splitlines())
+        else:
+            assert reports == [f"{total}/{total} tests passed"]
+    assert revised >= len(problems) * 0.8, revised
+    half = CodeEnv(revise_fraction=0.5)
+    first = [len(half.reference_episode(p)) for p in problems]
+    assert first == [len(half.reference_episode(p)) for p in problems] and len(set(first)) == 2
+    assert [len(CodeEnv().reference_episode(p)) for p in problems] == [min(first)] * len(problems)
+    with pytest.raises(CodeError, match="revise_fraction must be within"):
+        CodeEnv(revise_fraction=1.5)
+
+
 @pytest.mark.parametrize("hack", [
     "import os\nos._exit(0)",  # exit before any test runs
     "import sys\nsys.exit(0)",
