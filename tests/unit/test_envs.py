@@ -247,7 +247,7 @@ def test_revise_demonstrations_fail_first_then_pass_through_the_loop():
         reports = [t.content for t in rec.turns if t.role == "tool"]
         calls = [json.loads(t.tool_arguments)["code"] for t in rec.turns if t.role == "tool"]
         total = len(p.meta["tests"])
-        if len(reports) == 2:  # some bodies have no constant (`return max(xs) - min(xs) if xs else 0` has one)
+        if len(reports) == 2:  # else the body has no constant, or the tests miss the slip: the plain episode
             revised += 1
             assert not reports[0].startswith(f"{total}/{total}") and "FAILED assert f(" in reports[0]
             assert reports[1] == f"{total}/{total} tests passed" and calls[1] == p.meta["solution"]

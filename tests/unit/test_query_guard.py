@@ -354,7 +354,9 @@ def test_a_shared_folder_that_is_not_private_and_empty_is_not_used(tmp_path, spo
 def test_a_forked_child_leaves_its_parents_own_secret_folder(tmp_path):
     """A forked child runs its parent's exit handlers when it exits (a worker forks its flow runs): without the
     pid check the child removed the folder its parent still named."""
-    (tmp_path / f"coevo-no-secrets-{os.getuid()}").mkdir(mode=0o777)  # not private: the process makes its own
+    shared = tmp_path / f"coevo-no-secrets-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)  # not private: the process makes its own
     code = ("import os, sys, components.store.guard as g\n"
             "pid = os.fork()\n"
             "if pid == 0:\n    sys.exit(0)\n"
@@ -362,4 +364,4 @@ def test_a_forked_child_leaves_its_parents_own_secret_folder(tmp_path):
             "print(os.path.isdir(g._NO_SECRETS), g._NO_SECRETS)\n")
     existed, folder = _python_with_tmpdir(tmp_path, code).split()
     assert existed == "True" and Path(folder).name.startswith("coevo-no-secrets-") and Path(folder).exists() is False
-    assert [p.name for p in tmp_path.iterdir()] == [f"coevo-no-secrets-{os.getuid()}"]  # the parent's exit removed it
+    assert list(tmp_path.iterdir()) == [shared]  # the parent's exit removed its own
