@@ -305,10 +305,10 @@ if __name__ == "__main__":
     sys.exit(print_table())
 
 
-def _python_with_tmpdir(tmp: Path, code: str) -> str:
-    """The stdout of `python -c code` run from the repository with TMPDIR=tmp."""
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          env={**os.environ, "TMPDIR": str(tmp)}, cwd=Path(__file__).resolve().parents[2]).stdout
+def _python_with_tmpdir(tmp: Path, code: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -c code` run from the repository with TMPDIR=tmp (its stdout captured)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=check,
+                          env={**os.environ, "TMPDIR": str(tmp)}, cwd=Path(__file__).resolve().parents[2])
 
 
 def test_readers_share_one_empty_secret_folder_that_a_killed_one_cannot_leak(tmp_path):
@@ -316,10 +316,9 @@ def test_readers_share_one_empty_secret_folder_that_a_killed_one_cannot_leak(tmp
     process, removed at exit, leaked one per killed job (387 in /tmp after a day of the suite): now every process
     of a user shares one private folder, so a thousand readers, killed or not, leave that one."""
     code = "import os, components.store.guard as g; print(g._NO_SECRETS)"
-    first, second = (_python_with_tmpdir(tmp_path, code).strip() for _ in range(2))
-    killed = subprocess.run([sys.executable, "-c", "import os, signal, components.store.guard; "
-                             "os.kill(os.getpid(), signal.SIGKILL)"], env={**os.environ, "TMPDIR": str(tmp_path)},
-                            cwd=Path(__file__).resolve().parents[2])
+    first, second = (_python_with_tmpdir(tmp_path, code).stdout.strip() for _ in range(2))
+    killed = _python_with_tmpdir(tmp_path, "import os, signal, components.store.guard; "
+                                           "os.kill(os.getpid(), signal.SIGKILL)", check=False)
     assert killed.returncode == -9
     shared = tmp_path / f"coevo-no-secrets-{os.getuid()}"
     assert first == second == str(shared)
@@ -344,7 +343,8 @@ def test_a_shared_folder_that_is_not_private_and_empty_is_not_used(tmp_path, spo
             shared.chmod(0o777)
     before = sorted(tmp_path.rglob("*"))
     out = _python_with_tmpdir(tmp_path, "import os, components.store.guard as g; "
-                                        "print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS), os.listdir(g._NO_SECRETS))")
+                                        "print(g._NO_SECRETS, os.path.isdir(g._NO_SECRETS), os.listdir(g._NO_SECRETS))"
+                              ).stdout
     folder, existed, listed = out.split()
     assert Path(folder).parent == tmp_path and Path(folder) not in (shared, elsewhere)
     assert (existed, listed) == ("True", "[]")
@@ -362,6 +362,6 @@ def test_a_forked_child_leaves_its_parents_own_secret_folder(tmp_path):
             "if pid == 0:\n    sys.exit(0)\n"
             "os.waitpid(pid, 0)\n"
             "print(os.path.isdir(g._NO_SECRETS), g._NO_SECRETS)\n")
-    existed, folder = _python_with_tmpdir(tmp_path, code).split()
+    existed, folder = _python_with_tmpdir(tmp_path, code).stdout.split()
     assert existed == "True" and Path(folder).name.startswith("coevo-no-secrets-") and Path(folder).exists() is False
     assert list(tmp_path.iterdir()) == [shared]  # the parent's exit removed its own
