@@ -14,6 +14,7 @@ change (`setting` is the caller's config section, e.g. "train_policy").
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from collections.abc import Callable, Sequence
@@ -168,6 +169,24 @@ def keep_safetensors_only(out: Path) -> None:
 def training_processes() -> int:
     """Processes training together: torchrun's WORLD_SIZE under `accelerate launch`, else 1."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def leave_process_group() -> None:
+    """Destroy the process group the Trainer's accelerator joined, where one is up (accelerate's own
+    `end_training` step, which no Trainer calls). A process that exits inside its group can abort (SIGABRT,
+    "terminate called without an active exception") while the interpreter finalizes: gloo's worker threads
+    still hold work whose tensors reference Python objects (pytorch/pytorch#179291). It failed a 2-process job
+    once in CI, after the job had written everything; 28 runs of that job here did not repeat it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# One group serves every trainer a process runs (a stage may train several models), so it is left once, at
+# exit, before the interpreter starts to finalize.
+if training_processes() > 1:
+    atexit.register(leave_process_group)
 
 
 def process_batch(batch_size: int, name: str, section: str) -> int:

@@ -38,16 +38,22 @@ KINDS = ("sft", "prm-likelihood", "prm")
 # One process of the run: trains the three models on fixed data with the settings the stages pass, the loss
 # logged every step, into the same folders whatever the rank (only the main process may write them).
 SCRIPT = r'''
-import json, os, random, sys
+import atexit, json, os, random, sys
 
 import torch
+import torch.distributed as dist
+
+init, out, result = sys.argv[1:4]
+# Registered before the trainers' modules load, so it runs after their exit handlers (atexit is last in, first
+# out): whether this process is still in its group as the interpreter is about to finalize.
+atexit.register(lambda: open(f"{result}.exit{os.environ.get('RANK', '0')}", "w").write(
+    "in group" if dist.is_initialized() else "left"))
 
 torch.set_num_threads(1)
 from components.domains.arith import ArithDomain
 from components.rewards import prm
 from components.training.sft import SFTParams, train_sft
 
-init, out, result = sys.argv[1:4]
 D = ArithDomain()
 problems = [p for level in (2, 3) for p in D.sample_problems(level, 8, 0)]  # 16: two global batches of 8
 rng = random.Random(0)
@@ -154,6 +160,12 @@ def test_two_processes_log_the_loss_curve_of_one(runs, kind):
     assert worst <= REL_TOL, f"{kind}: loss curves differ by {worst:.3g} relative (allowed {REL_TOL}):\n{one}\n{two}"
     assert runs[2]["metrics"][kind]["processes"] == 2 and "processes" not in runs[1]["metrics"][kind]
     assert runs[2]["metrics"][kind]["steps"] == runs[1]["metrics"][kind]["steps"] == 8
+
+
+def test_each_process_leaves_its_group_before_the_interpreter_finalizes(runs):
+    """Exiting inside a gloo group can abort the process after its work is done (common.leave_process_group)."""
+    exits = {p.name.rsplit(".", 1)[1]: p.read_text() for p in runs[2]["out"].parent.glob("result2.json.exit*")}
+    assert exits == {"exit0": "left", "exit1": "left"}, exits
 
 
 def test_the_two_process_checkpoints_are_written_once_and_load(runs):
