@@ -8,7 +8,8 @@ dies at any point leaves only an `a<k>.tmp/` folder, which nothing reads.
 
 Under `accelerate launch` (a training stage with `processes` > 1, see `launch.job_command`) every process
 runs the stage and trains, and only the first (RANK 0) writes the attempt: its tables, model and manifest.
-The others write into a scratch folder of their own, removed at the end, and print nothing to stdout.
+The others write into a scratch folder of their own, removed at the end (and with the job's temporary folder by
+`run_job`, where they were killed), and print nothing to stdout.
 """
 
 from __future__ import annotations

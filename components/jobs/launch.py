@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -150,6 +152,22 @@ def run_job(stage: str, spec_path: str | Path, log: Callable[[str], None], timeo
                         "COEVO_JOB_LAUNCHED_AT": repr(time.time())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     command = job_command(stage, spec_path, python)
+    # An `accelerate launch` job gets a temporary folder of its own, removed after it however it ended. In it
+    # torchrun makes its log folder (`torchelastic_*`, which it never removes: one was left for every such job),
+    # and each process but the first its scratch (components/jobs/__main__.py), which a process killed with its
+    # launcher (SIGKILL, past the timeout) cannot remove itself.
+    scratch = tempfile.mkdtemp(prefix="coevo-job-") if "accelerate.commands.launch" in command else None
+    if scratch:
+        env["TMPDIR"] = scratch
+    try:
+        _run(stage, command, env, log, timeout_s, on_start)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(stage: str, command: list[str], env: dict[str, str], log: Callable[[str], None], timeout_s: float,
+         on_start: Callable[[int], None] | None) -> None:
     if command[0] != sys.executable:
         log(f"{stage}: job runs under {command[0]}")
     proc: subprocess.Popen | warm.WarmJob | None = None

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -140,7 +141,9 @@ def runs(init, tmp_path_factory) -> dict[int, dict]:
     out = {}
     for n in (1, 2):
         cmd = [*_launch(tmp, n), str(script), init, str(tmp / f"out{n}"), str(tmp / f"result{n}.json")]
-        p = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+        # TMPDIR: torchrun leaves a log folder there for every launch (run_job gives a job a folder it removes)
+        p = subprocess.run(cmd, env=_env(TMPDIR=str(tmp)), cwd=REPO, capture_output=True, text=True, timeout=300,
+                           check=False)
         assert p.returncode == 0, f"{n} process(es) failed:\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
         out[n] = json.loads((tmp / f"result{n}.json").read_text()) | {"out": tmp / f"out{n}"}
     return out
@@ -255,13 +258,14 @@ def test_a_train_policy_job_on_two_processes_publishes_once(init, tmp_path, monk
     env = _env(TMPDIR=str(scratch), COEVO_TEST_OUT_DIR=str(out_dir), COEVO_TEST_TOUCHED=str(touched))
     for k, v in (env | {"PYTHONPATH": f"{watch}{os.pathsep}{REPO}"}).items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # run_job makes the job's temporary folder in it
     lines: list[str] = []
     run_job("train_policy", spec_path, lines.append, timeout_s=300)
 
     assert sorted(p.name for p in out_dir.parent.iterdir()) == ["a1", "a1.spec.json"]  # no a1.tmp, one attempt
     assert Path(f"{touched}.armed").read_text() == "rank 1\n"  # the watch ran in the second process
     assert not touched.exists(), touched.read_text()  # which never touched a1 nor a1.tmp
-    assert not list(scratch.glob("coevo-rank*"))
+    assert not list(scratch.iterdir())  # the job's temporary folder is gone, and with it torchrun's log folder
     assert sum("[train_policy] SFT on 16 examples" in line for line in lines) == 1, lines  # the first reports
     m = verify_manifest(out_dir / MANIFEST)
     assert [a["name"] for a in m.artifacts] == ["model"] and m.metrics["processes"] == 2 and m.metrics["steps"] == 4
@@ -275,15 +279,19 @@ def test_a_train_policy_job_on_two_processes_publishes_once(init, tmp_path, monk
 
 def test_a_job_killed_at_its_timeout_leaves_no_process_behind(init, tmp_path, monkeypatch):
     """`run_job` ends a job past its timeout with SIGKILL to the process it started, the launcher; torchrun's
-    processes live in sessions of their own, so each must die with it (without that, both kept training)."""
+    processes live in sessions of their own, so each must die with it (without that, both kept training), and
+    neither must the second process's scratch nor torchrun's log folder (each run of this test left both in /tmp)."""
     import signal
     import time
 
     from components.jobs.launch import StageJobError, run_job
 
     spec_path = _train_policy_spec(tmp_path, init, steps=100_000, epochs=None, batch_size=8, processes=2)
-    for k, v in _env().items():
+    scratch = tmp_path / "tmp"  # the temporary folder of the test and of the job's processes
+    scratch.mkdir()
+    for k, v in _env(TMPDIR=str(scratch)).items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     launcher: list[int] = []
 
     def log(line: str) -> None:  # step 1 took both processes (its gradients are summed over them): both train
@@ -302,6 +310,9 @@ def test_a_job_killed_at_its_timeout_leaves_no_process_behind(init, tmp_path, mo
     for pid in left:  # the test's own processes: end them, then fail
         os.kill(int(pid), signal.SIGKILL)
     assert not left, f"processes of the killed job still running: {left}"
+    # The second process could not remove its scratch, nor torchrun its log folder: run_job removed the job's
+    # temporary folder, which holds both.
+    assert not list(scratch.rglob("*")), sorted(scratch.rglob("*"))
 
 
 # -- bad settings ---------------------------------------------------------------------------------------------
