@@ -95,16 +95,15 @@ def main(model: str, out_path: str) -> None:
 
     # What vLLM cannot start: an architecture it does not know, a LoRA adapter folder, a KV cache over memory.
     import shutil
-    import tempfile
     from pathlib import Path
 
     from components.models.backends import BackendError
 
-    bad = Path(tempfile.mkdtemp()) / "unknown-arch"
+    bad = Path(out_path).parent / "unknown-arch"  # in the test's folder, beside the result: /tmp kept them
     shutil.copytree(model, bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps(config | {"architectures": ["NoSuchForCausalLM"]}))
-    adapter = Path(tempfile.mkdtemp()) / "adapter"
+    adapter = Path(out_path).parent / "adapter"
     shutil.copytree(model, adapter)
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": model, "peft_type": "LORA"}))
     out["refused"] = {}
