@@ -192,15 +192,17 @@ def _verification(env: Any, t: dict[str, Any], version: str, reward: Callable[[]
 
 
 def demonstration_episodes(env: Any, problems: list[dict[str, Any]], trajectories: list[dict[str, Any]],
+                           progress: Callable[[int, int], None] | None = None,
                            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Round 0's demonstrations (`training.data.demonstrations` rows) as the environment's reference episodes:
     each trajectory's completion becomes the episode's transcript, and its turns (tool calls and observations
-    included) become `turns` rows."""
+    included) become `turns` rows. `progress(done, total)` follows each episode: their tools really run (the
+    code environment's in its sandbox), which takes minutes for thousands."""
     from components.envs.base import Turn
 
     by_id = {p["problem_id"]: p for p in problems}
     trajs, turns = [], []
-    for t in trajectories:
+    for done, t in enumerate(trajectories, 1):
         p = problem_from_row(by_id[t["problem_id"]])
         messages = env.reference_episode(p)
         tool = [m["role"] == "tool" for m in messages]  # the environment's own tools answered them
@@ -216,6 +218,8 @@ def demonstration_episodes(env: Any, problems: list[dict[str, Any]], trajectorie
             raise AssertionError(f"demonstration {t['trajectory_id']}: its episode got id {traj['trajectory_id']}")
         trajs.append(traj | {"finish_reason": t["finish_reason"], "num_tokens": t["num_tokens"]})
         turns += rows["turns"]
+        if progress is not None:
+            progress(done, len(trajectories))
     return trajs, turns
 
 

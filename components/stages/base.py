@@ -12,6 +12,7 @@ A stage module (`components/stages/generate.py`, ...) defines three things and r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,6 +316,18 @@ def train_progress(stage: str) -> Callable[[int, int, float | None], None]:
     def report(step: int, total: int, loss: float | None) -> None:
         loss_s = f", loss {loss:.4f}" if loss is not None else ""
         log(stage, f"step {step}/{total}{loss_s}")
+    return report
+
+
+def count_progress(stage: str, what: str) -> Callable[[int, int], None]:
+    """A `(done, total)` callback that logs `[stage] <what> done/total` at each tenth of the total and at the end,
+    with the seconds since it was made: the line the progress bar reads (`what` ends in a word it knows, such
+    as `episodes`)."""
+    t0 = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 10) == 0:
+            log(stage, f"{what} {done}/{total} ({time.perf_counter() - t0:.1f}s)")
     return report
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
-from components.stages.base import (Planner, Stage, domain_of, given_model_row, log, model_id, model_row,
-                                    train_progress, trainer_settings, write)
+from components.stages.base import (Planner, Stage, count_progress, domain_of, given_model_row, log, model_id,
+                                    model_row, train_progress, trainer_settings, write)
 
 
 @dataclass
@@ -32,7 +32,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     problems, trajs, sels = demonstrations(domain, b, spec.seed, spec.experiment)
     turns: list[dict] = []
     if is_agent(domain):  # the environment's reference episodes, tool calls and observations included
-        trajs, turns = demonstration_episodes(domain, problems, trajs)
+        trajs, turns = demonstration_episodes(domain, problems, trajs,
+                                              progress=count_progress("bootstrap", "demonstration episodes"))
     episodes = {"turns": turns} if turns else {}  # a text domain's bootstrap writes what it always wrote
     inputs = [{"model_id": model_id(spec), "trajectory_id": t["trajectory_id"], "source_round": 0, "use": "new"}
               for t in trajs]

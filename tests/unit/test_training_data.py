@@ -36,3 +36,29 @@ def test_replay_mix_keeps_every_new_example_and_samples_the_rest():
 def test_a_round_that_kept_nothing_trains_no_step():
     assert sft_steps(300, None, 0, 64) == 0 and sft_steps(300, 3.0, 0, 64) == 0
     assert sft_steps(300, 3.0, 1000, 64) == 47 and sft_steps(30, 3.0, 1000, 64) == 30
+
+
+def test_demonstration_episodes_report_their_progress_in_tenths(capsys):
+    """Each episode's tools really run (in the code environment, its sandbox): thousands take minutes, so the
+    bootstrap reports them in the words the progress bar reads."""
+    from components.envs import get_env
+    from components.envs.rollout import demonstration_episodes
+    from components.progress import parse_progress
+    from components.stages.base import count_progress
+
+    env = get_env("calculator")
+    problems, trajs, _ = demonstrations(env, BootstrapConfig(levels=[2], problems_per_level=25, seed_levels=[]),
+                                        seed=0, experiment="e")
+    calls: list[tuple[int, int]] = []
+    report = count_progress("bootstrap", "demonstration episodes")
+
+    def progress(done: int, total: int) -> None:
+        calls.append((done, total))
+        report(done, total)
+
+    episodes, turns = demonstration_episodes(env, problems, trajs, progress=progress)
+    assert calls == [(k, 25) for k in range(1, 26)] and len(episodes) == 25
+    assert {t["role"] for t in turns} >= {"assistant", "tool"}  # level 2 calls the calculator
+    lines = capsys.readouterr().out.splitlines()
+    assert [parse_progress(line) for line in lines] == [(k, 25) for k in [*range(2, 25, 2), 25]]  # each 25 // 10
+    assert all(line.startswith("[bootstrap] demonstration episodes ") and line.endswith("s)") for line in lines)
