@@ -29,7 +29,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     cfg, inp = spec.cfg(), spec.inputs_as(Inputs)
     b = cfg.bootstrap
     domain = domain_of(spec)
-    problems, trajs, sels = demonstrations(domain, b, spec.seed, spec.experiment)
+    problems, trajs, sels = demonstrations(domain, b, spec.seed, spec.experiment, solve=not is_agent(domain))
     turns: list[dict] = []
     if is_agent(domain):  # the environment's reference episodes, tool calls and observations included
         trajs, turns = demonstration_episodes(domain, problems, trajs,

@@ -13,11 +13,13 @@ from components.generation import problem_row, trajectory_id
 from components.seeding import derive_seed
 
 
-def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
-                   experiment: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+def demonstrations(domain: Domain, b: BootstrapConfig, seed: int, experiment: str, solve: bool = True,
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Round 0's gold demonstrations as `problems`, `trajectories` (purpose 'demo') and `selections` rows:
     `problems_per_level` at each of `b.levels` (None: every level of the domain), plus seed demos of `b.seed_levels` making up
-    `b.seed_fraction` of the whole; deterministic given `seed`."""
+    `b.seed_fraction` of the whole; deterministic given `seed`. `solve=False` leaves each `completion` None, for
+    an environment whose episodes make it (`envs.rollout.demonstration_episodes`): its reference episode runs its
+    tools (the code environment's in its sandbox), which would run twice."""
     problems = []
     for level in domain.levels() if b.levels is None else b.levels:
         problems += domain.sample_problems(level, b.problems_per_level, seed=derive_seed(seed, 0, "demo", level))
@@ -32,9 +34,9 @@ def demonstrations(domain: Domain, b: BootstrapConfig, seed: int,
         trajs.append({
             "trajectory_id": tid, "experiment_id": experiment, "round": 0, "purpose": "demo",
             "problem_id": p.problem_id, "level": p.level, "policy_model_id": None, "sample_index": 0,
-            "prompt": p.prompt, "completion": domain.reference_solution(p), "answer": p.answer, "num_tokens": 0,
-            "finish_reason": "reference", "temperature": None, "top_p": None, "max_new_tokens": None, "seed": None,
-            "token_ids": None,
+            "prompt": p.prompt, "completion": domain.reference_solution(p) if solve else None, "answer": p.answer,
+            "num_tokens": 0, "finish_reason": "reference", "temperature": None, "top_p": None, "max_new_tokens": None,
+            "seed": None, "token_ids": None,
         })
         sels.append({"trajectory_id": tid, "experiment_id": experiment, "round": 0, "purpose": "policy_sft",
                      "selected": True, "rank": 0, "reason": "gold demonstration", "pair_id": None})

@@ -62,3 +62,20 @@ def test_demonstration_episodes_report_their_progress_in_tenths(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [parse_progress(line) for line in lines] == [(k, 25) for k in [*range(2, 25, 2), 25]]  # each 25 // 10
     assert all(line.startswith("[bootstrap] demonstration episodes ") and line.endswith("s)") for line in lines)
+
+
+def test_an_environments_demonstrations_run_its_tools_once(monkeypatch):
+    """The bootstrap asks for an environment's demonstrations unsolved (`solve=False`): their episodes make the
+    completions, and each reference episode runs once, not once for the text and again for the turns."""
+    from components.envs import get_env
+    from components.envs.rollout import demonstration_episodes
+
+    env, b = get_env("calculator"), BootstrapConfig(levels=[2], problems_per_level=10, seed_levels=[])
+    solved = demonstration_episodes(env, *demonstrations(env, b, seed=0, experiment="e")[:2])
+    runs: list[str] = []
+    episode = type(env).reference_episode
+    monkeypatch.setattr(type(env), "reference_episode", lambda self, p: runs.append(p.problem_id) or episode(self, p))
+    problems, trajs, _ = demonstrations(env, b, seed=0, experiment="e", solve=False)
+    assert {t["completion"] for t in trajs} == {None} and not runs
+    assert demonstration_episodes(env, problems, trajs) == solved
+    assert sorted(runs) == sorted(t["problem_id"] for t in trajs) and len(runs) == 10
