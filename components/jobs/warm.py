@@ -271,8 +271,8 @@ def serve(path: str, preload: list[str] = PRELOAD, parent: int | None = None,
                 if parent is not None or not os.read(sys.stdin.fileno(), 1024):  # it ended: so do we, and our jobs
                     for pid in jobs:
                         kill(pid)
-                    if parent is not None:
-                        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+                    # and the socket's folder: a caller killed (SIGKILL) before its exit hooks cannot remove it
+                    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
                     os._exit(0)
                 continue
             if key.data != "accept":  # a job's caller hung up (its answer is still to come, so this is EOF)

@@ -135,3 +135,33 @@ def test_the_server_is_kept_across_per_job_variables_and_replaced_when_imports_w
     assert server_after_a_job() == first
     monkeypatch.setenv("HF_HUB_OFFLINE", "0" if os.environ.get("HF_HUB_OFFLINE") == "1" else "1")
     assert server_after_a_job() != first
+
+
+def test_a_killed_caller_leaves_neither_its_server_nor_the_servers_folder(tmp_path):
+    """The server ends when its caller's stdin closes, and removes its socket's folder: a caller killed before
+    its exit hooks ran (SIGKILL) left one `coevo-warm-*` folder in /tmp for every such run."""
+    import signal
+    import subprocess
+
+    from tests.conftest import REPO
+
+    scratch, spec = tmp_path / "tmp", _spec(tmp_path, nonsense=True)
+    scratch.mkdir()
+    caller = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom components.jobs import warm\nfrom components.jobs.launch import "
+         "StageJobError, run_job\ntry:\n    run_job('verify', sys.argv[1], lambda _: None, 60)\nexcept StageJobError:\n"
+         "    pass\nprint(warm._server.proc.pid, flush=True)\ntime.sleep(600)\n", str(spec)],
+        cwd=REPO, env=os.environ | {"COEVO_WARM_JOBS": "1", "TMPDIR": str(scratch), "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(caller.stdout.readline())
+        assert len(list(scratch.glob("coevo-warm-*"))) == 1  # the server's (the caller's imports leave others)
+    finally:
+        caller.kill()
+        caller.wait()
+    for _ in range(200):
+        if not Path(f"/proc/{server}").exists() and not list(scratch.glob("coevo-warm-*")):
+            break
+        time.sleep(0.05)
+    assert not Path(f"/proc/{server}").exists(), "the server outlived its caller"
+    assert not list(scratch.glob("coevo-warm-*")), sorted(scratch.glob("coevo-warm-*/*"))
