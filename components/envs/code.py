@@ -272,14 +272,22 @@ class CodeEnv(FileProblems):
         if not solution:
             raise CodeError(f"{self.name}: task {problem.meta.get('task_id') or problem.problem_id} has no reference "
                             "solution (canonical_solution or code)")
-        tries = [solution]
+        def episode(*tries: str) -> list[Message]:
+            turns = [(toolcalls.format_call("run_tests", {"code": code}), None) for code in tries]
+            return reference_messages(self, problem, [*turns, (f"```python\n{solution}\n```", None)], self.limits)
+
         rng = random.Random(problem.problem_id)
         if rng.random() < self.revise_fraction and self.limits.max_turns >= 3:
             wrong = flawed(solution, rng)
-            if wrong is not None and self.run_tests(problem, wrong)[0] < len(problem.meta["tests"]):
-                tries.insert(0, wrong)
-        turns = [(toolcalls.format_call("run_tests", {"code": code}), None) for code in tries]
-        return reference_messages(self, problem, [*turns, (f"```python\n{solution}\n```", None)], self.limits)
+            if wrong is not None:
+                # The slip's own run is the episode's first report: where its tests catch nothing, the plain
+                # episode instead. Each try runs in the sandbox once.
+                messages = episode(wrong, solution)
+                total = len(problem.meta["tests"])
+                first = next(m["content"] for m in messages if m["role"] == "tool")
+                if not first.startswith(f"{total}/{total} tests passed"):
+                    return messages
+        return episode(solution)
 
 
 _INT = re.compile(r"(?<![\w.'\"])\d+(?![\w.'\"])")

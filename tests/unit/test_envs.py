@@ -263,6 +263,28 @@ def test_revise_demonstrations_fail_first_then_pass_through_the_loop():
         CodeEnv(revise_fraction=1.5)
 
 
+def test_a_revise_demonstration_runs_each_try_in_the_sandbox_once(monkeypatch):
+    """A revising reference episode reads whether its tests catch the slip from the slip's own run in the episode,
+    so each try runs in the sandbox once (the slip, the solution, then the answer's score), not the slip twice."""
+    env = CodeEnv(revise_fraction=1.0)
+    problems = [p for level in env.levels() for p in env.sample_problems(level, 2, seed=3)]
+    runs: list[str] = []
+    run_python = env.sandbox.run_python
+    monkeypatch.setattr(env.sandbox, "run_python", lambda *a, **k: runs.append(a[1]["solution.py"]) or run_python(
+        *a, **k))
+    revised = 0
+    for p in problems:
+        runs.clear()
+        reports = [m["content"] for m in env.reference_episode(p) if m["role"] == "tool"]
+        assert runs[-1] == p.meta["solution"], runs
+        if len(reports) == 2:  # the slip, the solution, then the solution as the answer, scored
+            revised += 1
+            assert len(runs) == 3 and runs[0] != runs[1] == runs[2], runs
+        else:  # no constant to move, or tests that miss the slip (its episode, then the plain one)
+            assert len(runs) in (2, 5), runs
+    assert revised >= len(problems) * 0.8, revised
+
+
 @pytest.mark.parametrize("hack", [
     "import os\nos._exit(0)",  # exit before any test runs
     "import sys\nsys.exit(0)",
