@@ -17,7 +17,9 @@ fault tests that look for it.
 
 The protocol, one SOCK_SEQPACKET connection per job: the caller sends {argv, env, cwd} with its pipe's
 write end; the server answers {"pid"} once forked and {"rc"} when the child ended (negative: killed by
-that signal, as `subprocess` says). The server ends when its caller does (its stdin closes).
+that signal, as `subprocess` says). The server ends when its caller does (its stdin closes), and removes its
+socket's folder; one killed together with its caller cannot, so each new server first removes the folders of
+dead ones (`sweep_stale`).
 
 Used where the job would run under this very interpreter with one process; vLLM's environment and
 `accelerate launch` keep their own interpreters (`launch.run_job`). `COEVO_WARM_JOBS=0` turns it off.
@@ -64,9 +66,44 @@ def enabled() -> bool:
     return os.environ.get("COEVO_WARM_JOBS", "1") != "0" and sys.platform.startswith("linux")
 
 
+def sweep_stale(tmp: str | None = None) -> list[str]:
+    """Remove the socket folders (`coevo-warm-*`, this user's) of servers that died without removing their own: a
+    server killed with its caller (a process group killed whole) cannot. A folder is stale when its socket is
+    there and refuses a connection, so nobody listens; a folder still without a socket is a server starting.
+    Returns the folders removed."""
+    removed = []
+    tmp = tmp or tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return removed
+    for name in names:
+        folder = os.path.join(tmp, name)
+        if not name.startswith("coevo-warm-") or name.startswith("coevo-warm-worker-"):
+            continue  # a worker's server folder is named by its worker, and reused
+        try:
+            if os.lstat(folder).st_uid != os.getuid() or not os.path.exists(path := os.path.join(folder, "jobs.sock")):
+                continue
+        except OSError:
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            probe.settimeout(1.0)
+            try:
+                probe.connect(path)
+                continue  # a live server: it reads an empty request and hangs up
+            except ConnectionRefusedError:
+                pass
+            except OSError:
+                continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 class _Server:
     def __init__(self, env: dict[str, str], cwd: Path):
         self.env = env
+        sweep_stale()
         self.dir = tempfile.mkdtemp(prefix="coevo-warm-")
         self.path = os.path.join(self.dir, "jobs.sock")
         # stdin is ours: its end (this process ending) ends the server; its stdout says when it is ready.

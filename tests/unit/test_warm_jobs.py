@@ -137,36 +137,86 @@ def test_the_server_is_kept_across_per_job_variables_and_replaced_when_imports_w
     assert server_after_a_job() != first
 
 
-def test_a_killed_caller_leaves_neither_its_server_nor_the_servers_folder(tmp_path):
-    """The server ends when its caller's stdin closes, and removes its socket's folder: a caller killed before
-    its exit hooks ran (SIGKILL) left one `coevo-warm-*` folder in /tmp for every such run."""
+def _running(pid: int) -> bool:  # an ended server stays a zombie until whoever inherited it reaps it
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _caller_with_a_server(tmp_path: Path, scratch: Path, **popen):
+    """A process that ran one (failing) job through a warm server with TMPDIR=`scratch`, then sleeps: itself, and
+    its server's pid."""
     import subprocess
 
     from tests.conftest import REPO
 
-    def running(pid: int) -> bool:  # an ended server stays a zombie until whoever inherited it reaps it
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    scratch, spec = tmp_path / "tmp", _spec(tmp_path, nonsense=True)
-    scratch.mkdir()
     caller = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom components.jobs import warm\nfrom components.jobs.launch import "
          "StageJobError, run_job\ntry:\n    run_job('verify', sys.argv[1], lambda _: None, 60)\nexcept StageJobError:\n"
-         "    pass\nprint(warm._server.proc.pid, flush=True)\ntime.sleep(600)\n", str(spec)],
+         "    pass\nprint(warm._server.proc.pid, flush=True)\ntime.sleep(600)\n", str(_spec(tmp_path, nonsense=True))],
         cwd=REPO, env=os.environ | {"COEVO_WARM_JOBS": "1", "TMPDIR": str(scratch), "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, text=True, **popen)
+    return caller, int(caller.stdout.readline())
+
+
+def _ended(server: int, scratch: Path) -> None:
+    for _ in range(200):
+        if not _running(server) and not list(scratch.glob("coevo-warm-*")):
+            break
+        time.sleep(0.05)
+    assert not _running(server), "the server outlived its caller"
+
+
+def test_a_killed_caller_leaves_neither_its_server_nor_the_servers_folder(tmp_path):
+    """The server ends when its caller's stdin closes, and removes its socket's folder: a caller killed before
+    its exit hooks ran (SIGKILL) left one `coevo-warm-*` folder in /tmp for every such run."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    caller, server = _caller_with_a_server(tmp_path, scratch)
     try:
-        server = int(caller.stdout.readline())
         assert len(list(scratch.glob("coevo-warm-*"))) == 1  # the server's (the caller's imports leave others)
     finally:
         caller.kill()
         caller.wait()
+    _ended(server, scratch)
+    assert not list(scratch.glob("coevo-warm-*")), sorted(scratch.glob("coevo-warm-*/*"))
+
+
+def test_the_next_server_removes_the_folder_of_one_killed_with_its_caller(tmp_path):
+    """A server killed together with its caller (its process group killed whole, as a CI runner or the fault
+    tests do) cannot remove its folder: the next server to start removes it, its socket refusing connections.
+    A live server's folder, and a folder whose server has not bound its socket yet, stay."""
+    import signal
+    import socket
+
+    from components.jobs import warm
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    caller, server = _caller_with_a_server(tmp_path, scratch, start_new_session=True)
+    (dead,) = scratch.glob("coevo-warm-*")
+    os.killpg(caller.pid, signal.SIGKILL)
+    caller.wait()
     for _ in range(200):
-        if not running(server) and not list(scratch.glob("coevo-warm-*")):
+        if not _running(server):
             break
         time.sleep(0.05)
-    assert not running(server), "the server outlived its caller"
-    assert not list(scratch.glob("coevo-warm-*")), sorted(scratch.glob("coevo-warm-*/*"))
+    assert not _running(server) and (dead / "jobs.sock").exists()  # what the suite used to leave behind
+    starting = scratch / "coevo-warm-starting"
+    starting.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as live:
+        (scratch / "coevo-warm-live").mkdir()
+        live.bind(str(scratch / "coevo-warm-live" / "jobs.sock"))
+        live.listen(1)
+        caller, server = _caller_with_a_server(tmp_path, scratch)
+        try:
+            assert not dead.exists()
+            assert starting.exists() and (scratch / "coevo-warm-live" / "jobs.sock").exists()
+            assert warm.sweep_stale(str(scratch)) == []
+        finally:
+            caller.kill()
+            caller.wait()
+    _ended(server, scratch)
+    assert warm.sweep_stale(str(scratch)) == [str(scratch / "coevo-warm-live")]  # its listener is closed now
+    assert sorted(p.name for p in scratch.glob("coevo-warm-*")) == ["coevo-warm-starting"]
