@@ -152,11 +152,13 @@ def run_job(stage: str, spec_path: str | Path, log: Callable[[str], None], timeo
                         "COEVO_JOB_LAUNCHED_AT": repr(time.time())}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     command = job_command(stage, spec_path, python)
-    # An `accelerate launch` job gets a temporary folder of its own, removed after it however it ended. In it
-    # torchrun makes its log folder (`torchelastic_*`, which it never removes: one was left for every such job),
-    # and each process but the first its scratch (components/jobs/__main__.py), which a process killed with its
-    # launcher (SIGKILL, past the timeout) cannot remove itself.
-    scratch = tempfile.mkdtemp(prefix="coevo-job-") if "accelerate.commands.launch" in command else None
+    # A job that is a new interpreter (not forked warm: its server must see one environment) gets a temporary
+    # folder of its own, removed after it however it ended. In it torchrun makes its log folder (`torchelastic_*`,
+    # which it never removes: one was left for every `accelerate launch` job), each process but the first its
+    # scratch (components/jobs/__main__.py), which a process killed with its launcher (SIGKILL, past the timeout)
+    # cannot remove itself, and vLLM its IPC sockets and `vllm_dist_*` files, which it leaves.
+    own_tmp = command[0] != sys.executable or "accelerate.commands.launch" in command
+    scratch = tempfile.mkdtemp(prefix="coevo-job-") if own_tmp else None
     if scratch:
         env["TMPDIR"] = scratch
     try:
