@@ -33,7 +33,6 @@ import argparse
 import gc
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -220,20 +219,16 @@ def main() -> None:
     if not args.no_server:
         from components.models.openai_backend import OpenAIBackend
 
-        from components.servers import free_port, vllm_serve
+        from components.servers import free_port, vllm_served
 
         port = free_port()
         t = time.perf_counter()
-        server = vllm_serve(model, port, work / "serve.log", python=sys.executable)
-        res["engine_start_s"]["vllm_serve"] = time.perf_counter() - t
-        try:
+        with vllm_served(model, port, work / "serve.log", python=sys.executable):
+            res["engine_start_s"]["vllm_serve"] = time.perf_counter() - t
             client = OpenAIBackend(model, base_url=f"http://127.0.0.1:{port}/v1", batch_size=64, prompt_format=fmt)
             res["throughput"]["openai_vllm_serve"] = _timed(client, prompts, **kw)
             print(f"openai -> serve  {res['throughput']['openai_vllm_serve']['tokens_per_s']:9.0f} tokens/s",
                   flush=True)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
 
     tp, mc = res["throughput"], res["mc_rollouts"]
     ratios = {"vllm_over_hf": tp["vllm"]["tokens_per_s"] / tp["hf"]["tokens_per_s"],

@@ -17,13 +17,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -301,15 +305,15 @@ def status(workdir: str | Path) -> list[ServerStatus]:
 
 def vllm_serve(model: str, port: int, log: Path, *, python: str | Path, host: str = "127.0.0.1",
                kv_cache_gib: int = 2, timeout_s: float = 600, served_model_name: str | None = None,
-               dev_mode: bool = False) -> subprocess.Popen:
+               dev_mode: bool = False, tmpdir: str | Path | None = None) -> subprocess.Popen:
     """Start `vllm serve MODEL` from a vLLM environment (`python` is its interpreter: `.venv-vllm/bin/python`,
     through `components.models.vllm_cli`) in its own process group, and return once `/v1/models` answers;
-    stop it with `os.killpg(proc.pid, ...)`.
+    stop it with `os.killpg(proc.pid, ...)`, or start it with `vllm_served`, which stops it.
 
     The settings mirror VLLMBackend's on a CPU, so a server and the offline engine sample alike: float32,
     seed 0, eager mode, whole-prompt prefill and a KV cache of `kv_cache_gib`. `served_model_name` and
     `dev_mode` (vLLM's development endpoints) make a server whose weights each stage reloads
-    (the openai backend's `reload_weights`)."""
+    (the openai backend's `reload_weights`). `tmpdir` is its TMPDIR: vLLM leaves its IPC sockets there."""
     command = [str(python), "-m", "components.models.vllm_cli", "serve", model, "--host", host, "--port", str(port),
                "--dtype", "float32", "--seed", "0", "--enforce-eager", "--no-enable-chunked-prefill",
                "--max-num-batched-tokens", "8192", "--kv-cache-memory-bytes", str(kv_cache_gib * 2**30)]
@@ -317,6 +321,8 @@ def vllm_serve(model: str, port: int, log: Path, *, python: str | Path, host: st
         command += ["--served-model-name", served_model_name]
     env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING",
                         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -330,3 +336,25 @@ def vllm_serve(model: str, port: int, log: Path, *, python: str | Path, host: st
         time.sleep(2)
     os.killpg(proc.pid, signal.SIGKILL)
     raise ServerError(f"vllm serve {model} did not answer on {host}:{port} in {timeout_s:.0f} s:\n{_tail(log)}")
+
+
+@contextmanager
+def vllm_served(model: str, port: int, log: Path, **options) -> Iterator[subprocess.Popen]:
+    """`vllm_serve(model, port, log, **options)` for the `with` block: then SIGTERM to its process group (SIGKILL
+    after 60 s), and its temporary folder removed, where vLLM left its IPC sockets, which it never removes."""
+    folder = tempfile.mkdtemp(prefix="coevo-vllm-serve-")
+    try:
+        proc = vllm_serve(model, port, log, tmpdir=folder, **options)
+        try:
+            yield proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                proc.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

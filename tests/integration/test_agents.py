@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
@@ -550,7 +549,7 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
     episodes of the model trained on them."""
     from transformers import AutoTokenizer
 
-    from components.servers import free_port, vllm_serve
+    from components.servers import free_port, vllm_served
     from flows.evolution import self_evolution
 
     vllm_python = REPO / ".venv-vllm" / "bin" / "python"
@@ -576,18 +575,14 @@ def test_the_agent_loop_samples_through_vllm_and_vllm_serve_as_through_hf(prefec
     # vLLM's CPU build keeps a tied output layer's prepacked weights across a reload: serve an untied copy.
     untied = untied_copy(trained, w / "untied")
     port = free_port()
-    server = vllm_serve(str(untied), port, w / "serve.log", python=vllm_python, kv_cache_gib=1,
-                        served_model_name="policy", dev_mode=True)
     options = {"base_url": f"http://127.0.0.1:{port}/v1", "timeout_s": 60, "served_model_name": "policy",
                "reload_weights": True}
-    try:
+    with vllm_served(str(untied), port, w / "serve.log", python=vllm_python, kv_cache_gib=1,
+                     served_model_name="policy", dev_mode=True):
         run("openai", ["generate.backend=openai", "bootstrap.steps=0", f"policy.model={untied}", "rounds=1",
                        "generate.problems_per_level=3", "generate.samples_per_problem=2", "score.mc_rollouts=2",
                        "score.mc_max_trajectories=4", "train_policy.steps=5",
                        f"generate.backend_options={json.dumps(options)}"])
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
     q = ("SELECT t.problem_id, t.sample_index, t.completion, v.correct FROM trajectories t JOIN verifications v "
          "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 0 AND t.purpose = 'eval' ORDER BY 1, 2")
     got = {name: store.query(q, [cfg.experiment])[1] for name, (cfg, store) in runs.items()}

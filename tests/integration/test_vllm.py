@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -78,8 +78,10 @@ def test_vllm_samples_as_hf_does_on_the_same_model(vllm_python, hf_run, tmp_path
     waves of until_correct: HF and vLLM in one process of .venv-vllm, on round 0's policy."""
     _, model = hf_run
     out = tmp_path / "side_by_side.json"
-    p = subprocess.run([str(vllm_python), "tests/integration/vllm_side_by_side.py", model, str(out)], cwd=REPO,
-                       env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    with tempfile.TemporaryDirectory(prefix="coevo-vllm-") as scratch:  # vLLM leaves its IPC sockets in TMPDIR
+        p = subprocess.run([str(vllm_python), "tests/integration/vllm_side_by_side.py", model, str(out)], cwd=REPO,
+                           env=os.environ | {"PYTHONPATH": str(REPO), "TMPDIR": scratch}, capture_output=True,
+                           text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     got = json.loads(out.read_text())
     n = got["problems"]
@@ -166,7 +168,7 @@ def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_
     from components.config import load_config
     from components.jobs.launch import StageJobError, run_stage_attempt
     from components.models.backends import get_backend
-    from components.servers import free_port, vllm_serve
+    from components.servers import free_port, vllm_served
     from components.store import Store
     from flows.evolution import self_evolution
 
@@ -175,8 +177,6 @@ def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_
     # the same model, its output layer a copy of its embeddings.
     model = untied_copy(tied, tmp_path / "untied")
     port = free_port()
-    server = vllm_serve(str(model), port, tmp_path / "serve.log", python=vllm_python, kv_cache_gib=1,
-                        served_model_name="policy", dev_mode=True)
     url = f"http://127.0.0.1:{port}/v1"
     options = {"base_url": url, "timeout_s": 60, "max_retries": 1, "served_model_name": "policy",
                "reload_weights": True}
@@ -184,7 +184,8 @@ def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_
             "bootstrap.steps=0", *ROUND1, "score.mc_max_trajectories=24",
             f"generate.backend_options={json.dumps(options)}"]
     cfg = load_config(CONFIG, over)
-    try:
+    with vllm_served(str(model), port, tmp_path / "serve.log", python=vllm_python, kv_cache_gib=1,
+                     served_model_name="policy", dev_mode=True):
         self_evolution(config_path=str(CONFIG), overrides=over)
         store = Store(wd / "store")
         policies = {r: store.committed_model("served", r, "policy")["uri"] for r in (0, 1)}
@@ -199,9 +200,6 @@ def test_the_openai_backend_runs_a_round_against_one_vllm_serve(vllm_python, hf_
             by[r] = ([s[0].text for s in get_backend("hf", policies[r]).generate(prompts, **greedy)],
                      [s[0].text for s in served.generate(prompts, **greedy)])
             assert served.stats()["weight_reloads"] == 1
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
     same = {r: sum(a == b for a, b in zip(*by[r])) for r in by}
     differ = [i for i, (a, b) in enumerate(zip(by[0][0], by[1][0])) if a != b]  # where the policies' HF answers do
     print(f"one vllm serve, weights reloaded: greedy as HF on {same[1]} of {len(prompts)} held-out prompts with "
