@@ -156,7 +156,7 @@ def run_job(stage: str, spec_path: str | Path, log: Callable[[str], None], timeo
     # folder of its own, removed after it however it ended. In it torchrun makes its log folder (`torchelastic_*`,
     # which it never removes: one was left for every `accelerate launch` job), each process but the first its
     # scratch (components/jobs/__main__.py), which a process killed with its launcher (SIGKILL, past the timeout)
-    # cannot remove itself, and vLLM its IPC sockets and `vllm_dist_*` files, which it leaves.
+    # cannot remove itself, and whatever a vLLM job's engine leaves there (`vllm serve` left IPC sockets).
     own_tmp = command[0] != sys.executable or "accelerate.commands.launch" in command
     scratch = tempfile.mkdtemp(prefix="coevo-job-") if own_tmp else None
     if scratch:
