@@ -339,11 +339,13 @@ class SqlEnv(FileProblems):
     def reference_episode(self, problem: Problem) -> list[Message]:
         """One exploratory query, its result, then the gold query as the answer; with `explore=False`, the answer
         alone. The query looks up how the database spells the value the question filters on (`lookup_values`),
-        or else shows a few rows of the first table the gold query reads."""
+        or else counts the rows of the first table the gold query reads. It holds no LIMIT: a policy taught
+        `SELECT * FROM employees LIMIT 3` first answered "the N best-paid" with `LIMIT 3` whatever N was
+        (docs/envs.md)."""
         answer = f"```sql\n{problem.meta['gold']}\n```"
         if not self.explore:
             return reference_messages(self, problem, [(answer, None)], self.limits)
         table = re.search(r"\bFROM\s+(\w+)", problem.meta["gold"], re.I).group(1)
-        query = problem.meta.get("lookup") or f"SELECT * FROM {table} LIMIT 3"
+        query = problem.meta.get("lookup") or f"SELECT count(*) FROM {table}"
         look = toolcalls.format_call("run_sql", {"query": query})
         return reference_messages(self, problem, [(look, None), (answer, None)], self.limits)
