@@ -122,7 +122,28 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
          ["[]", "[3, 1, 4, 1, 5]", "[-2, -5, 0]"]),
         ("f(xs)", "returns the elements of the list xs without repeats, in the order they first appear",
          "seen, out = set(), []\n    for x in xs:\n        if x not in seen:\n            seen.add(x)\n"
-         "            out.append(x)\n    return out", ["[]", "[3, 1, 3, 2, 1]", "[5, 5, 5]"])],
+         "            out.append(x)\n    return out", ["[]", "[3, 1, 3, 2, 1]", "[5, 5, 5]"]),
+        ("f(xs)", "returns the running sums of the list xs, each taken modulo {m}",
+         "out, s = [], 0\n    for x in xs:\n        s = (s + x) % {m}\n        out.append(s)\n    return out",
+         ["[]", "[5, 9, 13]", "[20, -7, 4, 11, 30]"]),
+        ("f(n)", "returns the list of the first n powers of {k}, starting with 1, each taken modulo {m}",
+         "out, p = [], 1\n    for _ in range(n):\n        out.append(p % {m})\n        p = p * {k}\n    return out",
+         ["0", "1", "6"]),
+        ("f(xs)", "returns the differences between consecutive elements of the list xs (each element minus the one "
+         "before it), each multiplied by {k}",
+         "out = []\n    for i in range(1, len(xs)):\n        out.append((xs[i] - xs[i - 1]) * {k})\n    return out",
+         ["[]", "[4]", "[1, 4, 9, 16]", "[10, 3, 3, -2]"]),
+        ("f(n)", "returns the list of the first n terms of the sequence a0 = {c}, a(i+1) = a(i) // 2 when a(i) is "
+         "even, else a(i) * {k} + 1",
+         "out, a = [], {c}\n    for _ in range(n):\n        out.append(a)\n"
+         "        a = a // 2 if a % 2 == 0 else a * {k} + 1\n    return out", ["0", "1", "7"]),
+        ("f(xs)", "returns the list xs with each element replaced by its sum with the element before it, taking "
+         "{c} as the element before the first",
+         "out, prev = [], {c}\n    for x in xs:\n        out.append(prev + x)\n        prev = x\n    return out",
+         ["[]", "[1]", "[3, 1, 4, 1, 5]"]),
+        ("f(n)", "returns the list of the first n numbers from {c} upward that are divisible by {k}",
+         "out, x = [], {c}\n    while len(out) < n:\n        if x % {k} == 0:\n            out.append(x)\n"
+         "        x += 1\n    return out", ["0", "1", "5"])],
     5: [("f(s)", "returns True when the brackets ()[]{{}} in the string s are balanced, else False",
          "pairs, stack = {{')': '(', ']': '[', '}}': '{{'}}, []\n    for ch in s:\n        if ch in '([{{':\n"
          "            stack.append(ch)\n        elif ch in pairs:\n            if not stack or stack.pop() != pairs[ch]:\n"

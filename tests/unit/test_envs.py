@@ -593,12 +593,15 @@ def test_an_environments_own_turn_rewards_become_step_scores_and_each_turns_adva
 
 
 def test_generated_code_tasks_are_many_per_level_and_their_tests_tell_answers_apart():
-    """Every level has dozens of distinct tasks beside its held-out set, and no task's tests all expect one value
-    (a function returning a constant would pass them)."""
-    env = CodeEnv(isolation="none")  # nothing runs: the tests' expectations come from our own reference solutions
+    """Every level has dozens of distinct tasks beside its held-out set, no template fills more than half of a
+    held-out set (level 4's once held 28 of 30 tasks of one), and no task's tests all expect one value (a
+    function returning a constant would pass them)."""
+    env = CodeEnv(isolation="none", test_size=30)  # nothing runs: expectations come from our own references
     for level in env.levels():
         drawn = env.sample_problems(level, 300, seed=0)
         assert len({p.problem_id for p in drawn}) >= 60, level
+        shapes = [re.sub(r"\d+", "#", p.meta["solution"]) for p in env.test_set(level)]
+        assert len(set(shapes)) >= 3 and max(map(shapes.count, shapes)) <= 15, (level, sorted(set(shapes)))
         for p in drawn + env.test_set(level):
             expected = {t.split(" == ", 1)[1] for t in p.meta["tests"]}
             assert len(expected) >= 2, p.prompt
