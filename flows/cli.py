@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -386,8 +387,17 @@ def verify_reproducible(
 register_ops(app)  # server, serve, compare, export, report
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler's stop, `kill`) ends the command as Ctrl-C would, through its `finally` blocks and
+    exit hooks, so the temporary Prefect server it started stops with it: under the default action a
+    terminated `coevo run` left that server running. A second SIGTERM ends it at once."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     set_env_defaults()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if os.environ.get("PREFECT_HOME"):  # Prefect's SQLite database cannot be created in a missing folder
         Path(os.environ["PREFECT_HOME"]).expanduser().mkdir(parents=True, exist_ok=True)
     app()

@@ -201,6 +201,10 @@ def _run(stage: str, command: list[str], env: dict[str, str], log: Callable[[str
         proc.wait()
         reader.join(timeout=5)
         raise StageJobError(f"stage {stage} timed out after {timeout_s:.0f}s", None, transient=True) from None
+    except BaseException:  # the launcher is ending (SIGTERM, Ctrl-C): its job ends with it, not on its own after
+        proc.kill()
+        proc.wait()
+        raise
     reader.join(timeout=30)
     if rc != 0:
         killed = rc < 0 or rc in (137, 143)

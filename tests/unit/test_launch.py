@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_a_stage_job_can_run_in_another_environment(monkeypatch):
@@ -82,3 +86,27 @@ def test_a_job_in_another_interpreter_gets_a_temporary_folder_removed_after_it(t
     assert len(folders) == 2 and all(Path(f).parent == scratch and Path(f).name.startswith("coevo-job-")
                                      for f in folders), folders
     assert not list(scratch.iterdir())
+
+
+def test_a_launcher_interrupted_while_its_job_runs_ends_the_job(tmp_path):
+    """A SIGTERM to `coevo run` raises SystemExit in the launcher (flows/cli.py) while it waits on a job. A job that
+    prints nothing until then (a vLLM engine loading, a long step) would not die of its closed pipe: the launcher
+    kills it."""
+    from components.jobs.launch import _run
+
+    def interrupt(signum, frame):
+        raise SystemExit(143)
+
+    pids: list[int] = []
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)
+    try:
+        with pytest.raises(SystemExit):
+            _run("generate", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), lambda line: None,
+                 120.0, pids.append)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert len(pids) == 1
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pids[0], 0)
