@@ -1,7 +1,6 @@
 """SIGTERM to `coevo run`, as a scheduler stops a job or a user runs `kill`: the command ends, and with it everything it
-started: the temporary Prefect server and the stage job that was running. Before, the server kept running and a job
-in a new interpreter (a vLLM or `accelerate` job, or any with warm jobs off, as here) trained on into the workdir
-with no one to commit it. A job forked from the warm server ends with its caller's connection anyway."""
+started: the temporary Prefect server and the stage job that was running (here a new interpreter, warm jobs off).
+Before, the server kept running after the command was gone."""
 
 from __future__ import annotations
 

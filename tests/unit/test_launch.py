@@ -88,10 +88,10 @@ def test_a_job_in_another_interpreter_gets_a_temporary_folder_removed_after_it(t
     assert not list(scratch.iterdir())
 
 
-def test_a_launcher_interrupted_while_its_job_runs_ends_the_job(tmp_path):
-    """A SIGTERM to `coevo run` raises SystemExit in the launcher (flows/cli.py) while it waits on a job. A job that
-    prints nothing until then (a vLLM engine loading, a long step) would not die of its closed pipe: the launcher
-    kills it."""
+def test_a_launcher_interrupted_while_its_job_runs_ends_the_job():
+    """A SIGTERM to `coevo run` raises SystemExit in the launcher (flows/cli.py) while it waits on a job. The
+    launcher kills the job: one that prints nothing for a while (a vLLM engine loading, a long step) would
+    otherwise outlive the command until its next write to the closed pipe."""
     from components.jobs.launch import _run
 
     def interrupt(signum, frame):
