@@ -130,6 +130,14 @@ def kill_tree(pid: int) -> list[int]:
     return pids
 
 
+def cmdline(pid: int) -> bytes:
+    """A process's command line, its arguments joined by spaces; b"" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").rstrip()
+    except OSError:
+        return b""
+
+
 def find_job(spec_path: Path, timeout_s: float = 60.0) -> int | None:
     """The pid of `python -m components.jobs <stage> --spec <spec_path>`: a new interpreter, or a job forked
     from the warm server (`components/jobs/warm.py`), whose process title is that command as one string."""
@@ -139,11 +147,8 @@ def find_job(spec_path: Path, timeout_s: float = 60.0) -> int | None:
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
-            try:
-                cmdline = Path(f"/proc/{d}/cmdline").read_bytes().replace(b"\0", b" ").rstrip()
-            except OSError:
-                continue
-            if b" -m components.jobs " in cmdline and cmdline.endswith(want):
+            line = cmdline(int(d))
+            if b" -m components.jobs " in line and line.endswith(want):
                 return int(d)
         time.sleep(0.01)
     return None

@@ -7,21 +7,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO, coevo_cmd, coevo_env
-from tests.fault.conftest import alive, descendants, find_job, kill_tree
+from tests.fault.conftest import alive, cmdline, descendants, find_job, kill_tree
 
 pytestmark = pytest.mark.slow
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_sigterm_ends_the_run_with_its_prefect_server_and_its_stage_job(tmp_path):
@@ -34,7 +26,7 @@ def test_sigterm_ends_the_run_with_its_prefect_server_and_its_stage_job(tmp_path
     try:
         job = find_job(workdir / "micro" / "r0" / "bootstrap" / "a1.spec.json", timeout_s=240)
         assert job is not None, log.read_text()[-3000:]
-        started = {pid: _cmdline(pid) for pid in descendants(run.pid)}
+        started = {pid: cmdline(pid).decode(errors="replace") for pid in descendants(run.pid)}
         assert any("uvicorn" in c and "prefect.server" in c for c in started.values()), started
         run.send_signal(signal.SIGTERM)
         assert run.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
