@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -258,20 +258,25 @@ def _tail(path: Path, n: int = 15) -> str:
         return "(no log)"
 
 
-def _stop(workdir: Path, info: ServerInfo, grace_s: float = 15.0) -> None:
-    """SIGTERM the server's process group, then SIGKILL what is left after the grace period."""
+def _end_group(pgid: int, alive: Callable[[], bool], grace_s: float, what: str) -> None:
+    """SIGTERM the process group `pgid`, and SIGKILL it if `alive()` still holds after `grace_s`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(info.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
-            break
+            return
         except PermissionError as e:
-            raise ServerError(f"cannot stop the {info.name} server (pid {info.pid}): {e}") from None
+            raise ServerError(f"cannot stop {what} (pid {pgid}): {e}") from None
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and _alive(info.pid, info.name):
+        while time.monotonic() < deadline and alive():
             time.sleep(0.2)
-        if not _alive(info.pid, info.name):
-            break
+        if not alive():
+            return
+
+
+def _stop(workdir: Path, info: ServerInfo, grace_s: float = 15.0) -> None:
+    """SIGTERM the server's process group, then SIGKILL what is left after the grace period."""
+    _end_group(info.pid, lambda: _alive(info.pid, info.name), grace_s, f"the {info.name} server")
     _pid_file(workdir, info.name).unlink(missing_ok=True)
     _state_file(workdir, info.name).unlink(missing_ok=True)
 
@@ -348,13 +353,7 @@ def vllm_served(model: str, port: int, log: Path, **options) -> Iterator[subproc
         try:
             yield proc
         finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                proc.wait()
+            _end_group(proc.pid, lambda: proc.poll() is None, 60.0, f"vllm serve {model}")
+            proc.wait()
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""`components.servers.vllm_served`: a `vllm serve` process for a `with` block, stopped after it, its temporary
+"""`components.servers`: `vllm_served` gives a `vllm serve` process for a `with` block, stopped after it, its temporary
 folder removed. A stand-in interpreter serves `/v1/models` as vLLM's server does, so this runs without vLLM
 (`tests/integration/test_vllm.py` and `test_agents.py` run the real one through it)."""
 
@@ -43,3 +43,35 @@ def test_a_served_model_is_stopped_and_its_temporary_folder_removed_after_the_bl
         assert int(pid) == server.pid and Path(folder).parent == scratch
         assert (Path(folder) / "ipc-socket").exists() and server.poll() is None
     assert server.poll() is not None and not list(scratch.iterdir())
+
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs: not gone, and not a zombie left for init to reap."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_process_group_that_ignores_sigterm_is_killed_after_the_grace_period():
+    """How `coevo server down` and `vllm_served` stop a server: SIGTERM to the group, SIGKILL once `grace_s` is over."""
+    import subprocess
+    import time
+
+    from components.servers import _end_group
+
+    # A leader that ignores SIGTERM, with a child in its group that ignores it too.
+    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "print(os.getpid(), flush=True); time.sleep(60)")
+    code = (f"import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    child_pid = int(proc.stdout.readline())
+    start = time.monotonic()
+    _end_group(proc.pid, lambda: proc.poll() is None, 1.0, "a test group")
+    assert proc.poll() == -9 and 1.0 <= time.monotonic() - start < 10
+    deadline = time.monotonic() + 5
+    while _running(child_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child_pid), "a member of the group outlived SIGKILL"
