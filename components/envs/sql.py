@@ -105,7 +105,9 @@ QUESTIONS: dict[int, dict[str, list[tuple[str, str]]]] = {
     1: {"company": [("List the names of employees hired after {year}.",
                      "SELECT name FROM employees WHERE hired_year > {year}"),
                     ("List the names of employees earning at least {salary}.",
-                     "SELECT name FROM employees WHERE salary >= {salary}")],
+                     "SELECT name FROM employees WHERE salary >= {salary}"),
+                    ("List the names of the {top} best-paid employees, highest salary first.",
+                     "SELECT name FROM employees ORDER BY salary DESC LIMIT {top}")],
         "shop": [("List the names of customers from {country}.", "SELECT name FROM customers WHERE country = '{country}'"),
                  ("List the names of products in the {category} category.",
                   "SELECT name FROM products WHERE category = '{category}'")]},
@@ -135,10 +137,13 @@ QUESTIONS: dict[int, dict[str, list[tuple[str, str]]]] = {
                      "SELECT name FROM employees WHERE salary > (SELECT avg(salary) FROM employees)"),
                     ("List the names of departments that have no projects.",
                      "SELECT name FROM departments WHERE id NOT IN (SELECT dept_id FROM projects)"),
-                    ("List the names of the {top} best-paid employees, highest salary first.",
-                     "SELECT name FROM employees ORDER BY salary DESC LIMIT {top}")],
+                    ("List the names of employees who earn more than every employee hired before {year}.",
+                     "SELECT name FROM employees WHERE salary > "
+                     "(SELECT max(salary) FROM employees WHERE hired_year < {year})")],
         "shop": [("List the names of products that were never ordered.",
-                  "SELECT name FROM products WHERE id NOT IN (SELECT product_id FROM orders)")]},
+                  "SELECT name FROM products WHERE id NOT IN (SELECT product_id FROM orders)"),
+                 ("List the names of customers who placed an order in {oyear}.",
+                  "SELECT name FROM customers WHERE id IN (SELECT customer_id FROM orders WHERE year = {oyear})")]},
 }
 
 

@@ -137,6 +137,23 @@ def _sql_episode(env, level=1):
     return p, ep
 
 
+def test_generated_sql_questions_have_the_shape_of_their_level_and_a_spread_held_out_set():
+    """Each template's gold query has the shape `level_of` gives its level (level 5 once held "the N best-paid",
+    a level-1 query), and no template fills more than two thirds of a level's held-out set (half the draws are
+    of each schema, and at levels 3 and 4 the shop schema has one template)."""
+    from components.envs.sql import QUESTIONS, level_of
+
+    env = SqlEnv(test_size=30)
+    for level, by_schema in QUESTIONS.items():
+        templates = [gold for pairs in by_schema.values() for _, gold in pairs]
+        assert {level_of(gold) for gold in templates} == {level}, level
+        shapes = [re.compile(re.sub(r"\\\{\w+\\\}", ".+?", re.escape(gold)) + "$") for gold in templates]
+        held_out = [next(i for i, s in enumerate(shapes) if s.match(p.meta["gold"])) for p in env.test_set(level)]
+        assert max(map(held_out.count, held_out)) <= 20, (level, sorted(map(held_out.count, set(held_out))))
+        if len(templates) >= 3:
+            assert len(set(held_out)) >= 3, (level, held_out)
+
+
 @pytest.mark.parametrize("query, expected", [
     ("DELETE FROM employees", "not authorized"),
     ("ATTACH DATABASE '/tmp/coevo-attach.db' AS x", "not authorized"),
