@@ -330,8 +330,9 @@ def vllm_serve(model: str, port: int, log: Path, *, python: str | Path, host: st
         env["TMPDIR"] = str(tmpdir)
     if dev_mode:
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    proc = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            cwd=REPO_ROOT)
+    with log.open("w") as out:  # the server writes to its own copy of the file
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=REPO_ROOT)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
