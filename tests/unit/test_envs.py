@@ -182,7 +182,7 @@ def test_sql_rows_are_capped():
 
 def test_execution_match_compares_multisets_and_order_only_where_the_gold_orders():
     env = SqlEnv()
-    top = next(p for p in env.sample_problems(5, 60, seed=2) if p.meta["ordered"])
+    top = next(p for p in env.sample_problems(1, 60, seed=2) if p.meta["ordered"])  # "the N best-paid"
     flat = env.sample_problems(1, 1, seed=0)[0]
     gold_top, gold_flat = top.meta["gold"], flat.meta["gold"]
     assert env.score(top, gold_top) == 1.0
