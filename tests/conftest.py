@@ -86,6 +86,24 @@ def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     items.sort(key=rank)
 
 
+# -- processes -------------------------------------------------------------------------------------
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """A process's state letter and parent pid from /proc; None once it is gone (or going: ESRCH mid-exit)."""
+    try:
+        s = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    rest = s[s.rfind(")") + 2:].split()
+    return rest[0], int(rest[1])  # state, ppid
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs: not gone, and not a zombie left for whoever inherited it to reap."""
+    st = proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
 # -- the `coevo` CLI in a subprocess, as a user runs it ---------------------------------------------
 
 def coevo_cmd(*args: str) -> list[str]:

@@ -34,7 +34,7 @@ import pytest
 from components.store import DATA_TABLES, Store, StoreError, content_hash_sql, experiment_filter
 from components.tables import TABLES
 from tests import conftest as shared
-from tests.conftest import REPO, coevo_cmd
+from tests.conftest import REPO, alive, coevo_cmd, proc_stat
 
 MICRO = REPO / "configs" / "micro.yaml"
 EXPERIMENT = "fault"
@@ -92,24 +92,10 @@ def contains(haystack: str, needle: str) -> bool:
 
 # -- processes ----------------------------------------------------------------------------------
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    try:
-        s = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    rest = s[s.rfind(")") + 2:].split()
-    return rest[0], int(rest[1])  # state, ppid
-
-
-def alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = defaultdict(list)
     for d in os.listdir("/proc"):
-        if d.isdigit() and (st := _stat(int(d))) is not None:
+        if d.isdigit() and (st := proc_stat(int(d))) is not None:
             children[st[1]].append(int(d))
     out, stack = [], [pid]
     while stack:

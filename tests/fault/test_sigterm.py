@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, coevo_cmd, coevo_env
-from tests.fault.conftest import alive, cmdline, descendants, find_job, kill_tree
+from tests.conftest import REPO, alive, coevo_cmd, coevo_env
+from tests.fault.conftest import cmdline, descendants, find_job, kill_tree
 
 pytestmark = pytest.mark.slow
 

@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.conftest import alive
+
 # Answers `python -m components.models.vllm_cli serve MODEL --port N ...` as vLLM's server would at /v1/models,
 # after leaving a file in its TMPDIR, as vLLM leaves its IPC sockets there.
 FAKE_SERVER = '''
@@ -45,14 +47,6 @@ def test_a_served_model_is_stopped_and_its_temporary_folder_removed_after_the_bl
     assert server.poll() is not None and not list(scratch.iterdir())
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` runs: not gone, and not a zombie left for init to reap."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_a_process_group_that_ignores_sigterm_is_killed_after_the_grace_period():
     """How `coevo server down` and `vllm_served` stop a server: SIGTERM to the group, SIGKILL once `grace_s` is over."""
     import subprocess
@@ -71,7 +65,7 @@ def test_a_process_group_that_ignores_sigterm_is_killed_after_the_grace_period()
     _end_group(proc.pid, lambda: proc.poll() is None, 1.0, "a test group")
     assert proc.poll() == -9 and 1.0 <= time.monotonic() - start < 10
     deadline = time.monotonic() + 5
-    while _running(child_pid) and time.monotonic() < deadline:
+    while alive(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     proc.stdout.close()
-    assert not _running(child_pid), "a member of the group outlived SIGKILL"
+    assert not alive(child_pid), "a member of the group outlived SIGKILL"

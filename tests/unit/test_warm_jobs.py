@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from components.jobs.launch import StageJobError, run_job
+from tests.conftest import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm jobs are Linux-only (warm.enabled)")
 
@@ -137,13 +138,6 @@ def test_the_server_is_kept_across_per_job_variables_and_replaced_when_imports_w
     assert server_after_a_job() != first
 
 
-def _running(pid: int) -> bool:  # an ended server stays a zombie until whoever inherited it reaps it
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _caller_with_a_server(tmp_path: Path, scratch: Path, **popen):
     """A process that ran one (failing) job through a warm server with TMPDIR=`scratch`, then sleeps: itself, and
     its server's pid."""
@@ -163,10 +157,10 @@ def _caller_with_a_server(tmp_path: Path, scratch: Path, **popen):
 def _ended(server: int) -> None:
     """Wait up to 10 s for the server to end (it removes its folder, where it can, before it exits)."""
     for _ in range(200):
-        if not _running(server):
+        if not alive(server):
             break
         time.sleep(0.05)
-    assert not _running(server), "the server outlived its caller"
+    assert not alive(server), "the server outlived its caller"
 
 
 def test_a_killed_caller_leaves_neither_its_server_nor_the_servers_folder(tmp_path):

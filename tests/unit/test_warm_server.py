@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork, SOCK_SEQPACKET and pidfd")
 
@@ -50,13 +50,6 @@ def _request(path: Path, module: str, argv: list[str], env: dict, out_fd: int) -
     return sock, send_request(sock, {"module": module, "argv": argv, "env": env, "cwd": str(REPO)}, out_fd)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone; or going, as the kernel answers mid-exit (ESRCH)
-        return False
-
-
 def test_a_module_runs_as_its_command_would_with_its_exit_status_and_output(server, tmp_path):
     path, env, _, _ = server
     out = tmp_path / "out.txt"
@@ -78,12 +71,12 @@ def test_a_caller_that_hangs_up_takes_its_job_with_it(server):
     path, env, _, _ = server
     sock, answer = _request(path, "timeit", ["-n", "1", "-r", "1", "import time; time.sleep(120)"], env, 1)
     pid = answer["pid"]
-    assert _alive(pid)
+    assert alive(pid)
     sock.close()  # as when the flow run's process (the worker's child) is killed
     t0 = time.monotonic()
-    while _alive(pid) and time.monotonic() - t0 < 10:
+    while alive(pid) and time.monotonic() - t0 < 10:
         time.sleep(0.05)
-    assert not _alive(pid), "the job outlived its caller"
+    assert not alive(pid), "the job outlived its caller"
 
 
 def test_a_request_from_another_environment_is_refused(server):
@@ -99,7 +92,7 @@ def test_the_server_ends_with_its_worker_and_kills_its_jobs(server):
     worker.wait()
     assert proc.wait(timeout=10) == 0
     t0 = time.monotonic()
-    while _alive(answer["pid"]) and time.monotonic() - t0 < 10:
+    while alive(answer["pid"]) and time.monotonic() - t0 < 10:
         time.sleep(0.05)
-    assert not _alive(answer["pid"]), "the job outlived its worker"
+    assert not alive(answer["pid"]), "the job outlived its worker"
     assert not path.parent.exists(), "the server left its socket's folder"
