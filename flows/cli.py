@@ -213,6 +213,8 @@ def build_model(
     per_level: Annotated[int, typer.Option(min=1, help="Problems per level in the tokenizer's text.")] = 500,
     positions: Annotated[Optional[int], typer.Option(min=16, help="Context length in tokens, where the size's "
                                                              "default is too short (an agent's episodes).")] = None,
+    copy_steps: Annotated[int, typer.Option(min=0, help="Steps of training on random text to copy numbers from the "
+                                                        "context, as a pretrained model does (0: a random init).")] = 0,
 ) -> None:
     """Build a stand-in for a hub model: a BPE tokenizer trained on the domain's text and a random Qwen2/Llama."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
@@ -235,7 +237,8 @@ def build_model(
             dom = get_domain(domain)
     except (ValueError, FileNotFoundError) as e:
         fail(str(e), 2)
-    out = build_standin(out_dir, domain_texts(dom, n_per_level=per_level, seed=seed), cfg, seed=seed)
+    out = build_standin(out_dir, domain_texts(dom, n_per_level=per_level, seed=seed), cfg, seed=seed,
+                        copy_steps=copy_steps, log=lambda line: console.print(line, markup=False))
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]  # len(tokenizer), specials included
     console.print(f"{cfg.arch} stand-in in {out}: {param_count(out):,} parameters, vocabulary {vocab}")
 

@@ -11,7 +11,8 @@ and the real-model path must cope with: multi-character tokens (a run of symbols
 ending a step with it), special tokens at the *end* of the vocabulary (as Qwen2 puts them, so pad is
 not 0), a pad distinct from EOS,
 grouped-query attention, tied embeddings, a chat template, and for `llama` a BOS the tokenizer adds
-itself. The weights are random: it is for testing plumbing, not for accuracy.
+itself. The weights are random: it is for testing plumbing, not for accuracy. With `--copy-steps` the
+init first learns one thing a pretrained model knows, copying a value from its context (`pretrain_copy`).
 
 The BPE stops merging when the text has no pair left inside a pre-token, so `vocab_size` is an upper
 bound: arithmetic text (digits, + - = and "####") stops at 265 tokens for qwen2 (single digits) and
@@ -21,6 +22,7 @@ bound: arithmetic text (digits, + - = and "####") stops at 265 tokens for qwen2 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -169,12 +171,94 @@ def train_tokenizer(texts: Iterable[str], cfg: StandinConfig) -> PreTrainedToken
     return tok
 
 
+def copy_batch(words: Sequence[int], digits: Sequence[int], rng: random.Random, n: int = 16,
+               lengths: tuple[int, int] = (64, 320)) -> list[tuple[list[int], list[int]]]:
+    """`n` token sequences for in-context copying, with their labels (-100 where there is nothing to learn).
+
+    Each is random `words` with one to three numbers (two to five `digits`) in its first half; the second
+    half is random words again, where the same numbers come back in the same order. Only the returning
+    digits are labelled.
+
+    >>> batch = copy_batch(range(20, 30), range(10), random.Random(0), 2)
+    >>> [(len(x) == len(y), sum(t != -100 for t in y) >= 2) for x, y in batch]
+    [(True, True), (True, True)]
+    """
+    out = []
+    for _ in range(n):
+        half = rng.randint(*lengths) // 2
+        numbers = [[rng.choice(digits) for _ in range(rng.randint(2, 5))] for _ in range(rng.randint(1, 3))]
+        x = [rng.choice(words) for _ in range(half)]
+        for number in numbers:
+            at = rng.randrange(len(x))
+            x[at:at] = number
+        y = [-100] * len(x)
+        at = sorted(rng.sample(range(half), len(numbers)))
+        for i in range(half):
+            x.append(rng.choice(words))
+            y.append(-100)
+            if at and i == at[0]:
+                number = numbers[len(numbers) - len(at)]
+                x += number
+                y += number
+                at.pop(0)
+        out.append((x, y))
+    return out
+
+
+def copy_vocab(tok: Any) -> tuple[list[int], list[int]]:
+    """The ids `copy_batch` draws from: every token without a digit, specials aside, and the ten digits."""
+    vocab = tok.get_vocab()
+    specials = set(tok.all_special_ids)
+    words = sorted(i for t, i in vocab.items() if i not in specials and not any(c.isdigit() for c in t))
+    return words, [vocab[str(d)] for d in range(10)]
+
+
+def pretrain_copy(model: Any, tok: Any, steps: int, *, seed: int = 0, batch_size: int = 16, lr: float = 1e-3,
+                  lengths: tuple[int, int] = (64, 320), log: Any = None) -> list[float]:
+    """Train `model` in place for `steps` AdamW steps on `copy_batch` sequences over `tok`'s vocabulary, and
+    return the loss of each step.
+
+    A hub model comes pretrained, and one thing pretraining gives it is copying a value from its context
+    (induction heads form early in any language model's training). A stand-in's random init has none, so
+    it writes values from memory instead (docs/envs.md: every round-0 sql miss was a value the question
+    gave). This gives it that one skill on text that holds no task: random tokens and random numbers.
+    """
+    import torch
+
+    words, digits = copy_vocab(tok)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    model.train()
+    losses = []
+    for step in range(1, steps + 1):
+        batch = copy_batch(words, digits, rng, batch_size, lengths)
+        width = max(len(x) for x, _ in batch)
+        ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
+        labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        warmup.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if log is not None and (step % 100 == 0 or step == steps):
+            log(f"[copy pretraining] step {step}/{steps}, loss {losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
 def build_standin(out_dir: str | Path, texts: Iterable[str], cfg: StandinConfig | None = None, *, seed: int = 0,
+                  copy_steps: int = 0, copy_lengths: tuple[int, int] = (64, 320), log: Any = None,
                   **fields: Any) -> Path:
     """Train the tokenizer on `texts`, randomly initialise the model for `seed`, save both (safetensors) to
     `out_dir`, which must be missing or empty. `fields` override those of `cfg` (default `StandinConfig()`),
     e.g. `build_standin(out, texts, arch="llama", hidden_size=64)`. The same texts, config and seed give
-    byte-identical files.
+    byte-identical files. With `copy_steps`, the init is first trained that many steps to copy from its
+    context (`pretrain_copy`, on sequences of `copy_lengths` tokens); `log` takes its progress lines.
     """
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -196,6 +280,10 @@ def build_standin(out_dir: str | Path, texts: Iterable[str], cfg: StandinConfig 
     )
     torch.manual_seed(seed)  # the init is all torch RNG
     model = model_cls(config)  # float32: CPU-safe; a GPU run can load it with dtype="auto" or bf16
+    if copy_steps:  # a sequence is at most the longest length plus its three numbers' 30 digits
+        cap = cfg.max_position_embeddings - 30
+        lengths = (min(copy_lengths[0], cap), min(copy_lengths[1], cap))
+        pretrain_copy(model, tok, copy_steps, seed=seed, lengths=lengths, log=log)
     # As Qwen2.5-Instruct ships it: generation also stops at the end of a chat turn.
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(IM_END)],
