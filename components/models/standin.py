@@ -192,15 +192,15 @@ def copy_batch(words: Sequence[int], digits: Sequence[int], rng: random.Random, 
             at = rng.randrange(len(x))
             x[at:at] = number
         y = [-100] * len(x)
-        at = sorted(rng.sample(range(half), len(numbers)))
+        after = set(rng.sample(range(half), len(numbers)))  # the words the numbers come back after, in order
+        returning = iter(numbers)
         for i in range(half):
             x.append(rng.choice(words))
             y.append(-100)
-            if at and i == at[0]:
-                number = numbers[len(numbers) - len(at)]
+            if i in after:
+                number = next(returning)
                 x += number
                 y += number
-                at.pop(0)
         out.append((x, y))
     return out
 
@@ -216,7 +216,7 @@ def copy_vocab(tok: Any) -> tuple[list[int], list[int]]:
 def pretrain_copy(model: Any, tok: Any, steps: int, *, seed: int = 0, batch_size: int = 16, lr: float = 1e-3,
                   lengths: tuple[int, int] = (64, 320), log: Any = None) -> list[float]:
     """Train `model` in place for `steps` AdamW steps on `copy_batch` sequences over `tok`'s vocabulary, and
-    return the loss of each step.
+    return the loss of each step. `lengths` are cut to fit the model's positions.
 
     A hub model comes pretrained, and one thing pretraining gives it is copying a value from its context
     (induction heads form early in any language model's training). A stand-in's random init has none, so
@@ -225,6 +225,8 @@ def pretrain_copy(model: Any, tok: Any, steps: int, *, seed: int = 0, batch_size
     """
     import torch
 
+    cap = model.config.max_position_embeddings - 30  # a sequence is at most its length plus 30 digits: 3 numbers, twice
+    lengths = (min(lengths[0], cap), min(lengths[1], cap))
     words, digits = copy_vocab(tok)
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -280,10 +282,8 @@ def build_standin(out_dir: str | Path, texts: Iterable[str], cfg: StandinConfig 
     )
     torch.manual_seed(seed)  # the init is all torch RNG
     model = model_cls(config)  # float32: CPU-safe; a GPU run can load it with dtype="auto" or bf16
-    if copy_steps:  # a sequence is at most the longest length plus its three numbers' 30 digits
-        cap = cfg.max_position_embeddings - 30
-        lengths = (min(copy_lengths[0], cap), min(copy_lengths[1], cap))
-        pretrain_copy(model, tok, copy_steps, seed=seed, lengths=lengths, log=log)
+    if copy_steps:
+        pretrain_copy(model, tok, copy_steps, seed=seed, lengths=copy_lengths, log=log)
     # As Qwen2.5-Instruct ships it: generation also stops at the end of a chat turn.
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(IM_END)],
