@@ -191,9 +191,12 @@ class MicroWorkdir:
         return [f"policy.model={model['uri']}", "bootstrap.steps=0"]
 
 
+# Runs from micro's round-0 policy that test a dataflow, not how far SFT moves the policy, train 40 steps a round
+# (150 in configs/micro.yaml): enough that later rounds still have right answers to score, rank and judge.
+SHORT_SFT = ["train_policy.steps=40"]
 # The second experiment, so `coevo compare` has two to put side by side: micro's round-0 policy, then
 # another seed's samples and shorter training.
-MICRO_B = ["experiment=micro-b", "seed=1", "train_policy.steps=40"]
+MICRO_B = ["experiment=micro-b", "seed=1", *SHORT_SFT]
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO, assert_plans_read_what_they_declare
+from tests.conftest import REPO, SHORT_SFT, assert_plans_read_what_they_declare
 pytestmark = pytest.mark.slow
 
 
@@ -20,7 +20,7 @@ def coevo_run(prefect_server, micro_workdir, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("coevo")
     config = REPO / "configs" / "micro-coevo.yaml"
-    overrides = [f"workdir={workdir}", *micro_workdir.start_from_round0()]
+    overrides = [f"workdir={workdir}", *micro_workdir.start_from_round0(), *SHORT_SFT]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)
@@ -350,8 +350,8 @@ def test_round_zero_is_the_given_model_as_it_is(coevo_run, micro_workdir):
 # filter.judge=round: each round's PRM judges that round's right answers, and never trained on them.
 JUDGE = ["experiment=micro-coevo-judge", "filter.judge=round", "generate.problems_per_level=24",
          "generate.search=null", "filter.dpo_pairs=false", "filter.step_dpo_pairs=false", "train_policy.method=sft",
-         "train_reward.steps=60", "evaluate.search=null", "evaluate.best_of_n=[]", "evaluate.problems_per_level=10",
-         "evaluate.maj_k=1"]
+         *SHORT_SFT, "train_reward.steps=60", "evaluate.search=null", "evaluate.best_of_n=[]",
+         "evaluate.problems_per_level=10", "evaluate.maj_k=1"]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO
+from tests.conftest import REPO, SHORT_SFT
 pytestmark = pytest.mark.slow
 
 
@@ -21,7 +21,7 @@ def implicit_run(prefect_server, micro_workdir, tmp_path_factory):
     config = REPO / "configs" / "micro.yaml"
     overrides = [f"workdir={tmp_path_factory.mktemp('implicit')}", "experiment=micro-implicit",
                  *micro_workdir.start_from_round0(),
-                 "score.reward_model=implicit", "evaluate.best_of_n=[4]"]
+                 "score.reward_model=implicit", "evaluate.best_of_n=[4]", *SHORT_SFT]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)

@@ -15,12 +15,12 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO, run_coevo
+from tests.conftest import REPO, SHORT_SFT, run_coevo
 
 pytestmark = pytest.mark.slow
 
 MCTS = ["rounds=1", "generate.mcts={simulations: 6, expansions: 3, max_step_tokens: 16, rollouts: 2}",
-        "generate.problems_per_level=20", "generate.samples_per_problem=4", "train_policy.steps=40",
+        "generate.problems_per_level=20", "generate.samples_per_problem=4", *SHORT_SFT,
         "evaluate.problems_per_level=20", "evaluate.maj_k=1"]
 TREE_DATA = ["recipe=coevo", "score.tree={pair_margin: 0.25}",
              "train_reward={enabled: true, label_source: tree_hard, head: likelihood, lm_weight: 1.0, steps: 30, "
