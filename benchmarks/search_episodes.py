@@ -5,9 +5,10 @@ how many problems each solves, how many right episodes it hands back, and what i
     .venv/bin/python benchmarks/search_episodes.py --model /tmp/calc/calculator/r0/bootstrap/a1/model
 
 Per level, `--problems` problems. Plain: `--n` episodes each through the batched loop. MCTS: one tree each
-(`--simulations`, `--expansions` draws a leaf, `--rollouts` a valued node), up to `--n` episodes from it, the
-whole search's tokens counted (expansions, duplicate draws, rollouts). Both at `--temperature`. Figures go to
-stdout and to `--out` (JSON).
+(`--simulations`, `--expansions` draws a leaf, `--rollouts` a valued node, `--widening` progressive widening's
+alpha), up to `--n` episodes from it, the whole search's tokens counted (expansions, duplicate draws, rollouts);
+`--equal-tokens` stops it at the tokens plain sampling spent. Both at `--temperature`. Figures go to stdout and to
+`--out` (JSON).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def main() -> None:
     ap.add_argument("--simulations", type=int, default=8)
     ap.add_argument("--expansions", type=int, default=3)
     ap.add_argument("--rollouts", type=int, default=1)
+    ap.add_argument("--widening", type=float, default=0.0,
+                    help="progressive widening's alpha (0: each node draws once)")
+    ap.add_argument("--equal-tokens", action="store_true",
+                    help="give the search the tokens plain sampling spent on the level as its budget (and enough "
+                         "simulations to spend them)")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--out", default=None, help="JSON file for the figures")
@@ -61,7 +67,9 @@ def main() -> None:
         plain = {"episodes": len(batch.records), "right": len(right), "solved": len(set(right)),
                  "tokens": sum(t["num_tokens"] for t in batch.trajectories), "seconds": plain_s}
         t0 = time.perf_counter()
-        cfg = MCTSConfig(simulations=args.simulations, expansions=args.expansions)
+        budget = plain["tokens"] if args.equal_tokens else None
+        cfg = MCTSConfig(simulations=args.simulations, expansions=args.expansions, widening=args.widening,
+                         token_budget=budget)
         _, picked, stats = episode_mcts(env, sampler(), problems, cfg, rollouts=args.rollouts, n=args.n)
         mcts_s = time.perf_counter() - t0
         eps = [rec for got in picked for _, rec in got]

@@ -124,6 +124,10 @@ class MCTSSection(_Section):
     token_budget: int | None = Field(
         None, ge=1, description="Generated tokens per problem (expansions, duplicate draws and rollouts), pooled over "
                                 "the round's trees; the search stops when they are spent. Null: simulations only.")
+    widening: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Progressive widening's alpha: a node visited N times draws K more steps "
+                                         "once floor(N ** alpha) exceeds the times it has drawn, so a search whose "
+                                         "paths have all ended keeps drawing. 0: each node draws once.")
     value: Literal["rollouts", "prm"] = Field(
         "rollouts", description="What values a prefix that is not terminal: 'rollouts' (the share of `rollouts` "
                                 "completions from it the verifier accepts) or 'prm' (the previous round's PRM on its "

@@ -18,6 +18,12 @@ A node is one step; the root is the problem. Each simulation, for every tree sti
 A terminal leaf selected again backs up its reward once more (its Q is exact, so visits pile up where the
 search believes).
 
+**Progressive widening** (`widening` = alpha > 0; Couëtoux et al. 2011): a node's K draws fix its children, so a
+policy sure of its next step gives a tree of a few distinct paths, and once those have ended, further simulations
+only count their rewards again and spend nothing. With widening, a node whose draws so far are fewer than
+`floor(N ** alpha)` rounds of K (N its visits) is expanded again on the way down: K more draws, a draw of a step
+it has already joining that child (its prior, as for a seeded node, then the share of draws through it).
+
 The budget counts generated tokens, the expansions' and whatever the value source reports, as every other
 sampler does, so searches compare with plain sampling at equal tokens. A simulation expands only as many leaves
 as the budget left pays for at the mean cost of a leaf so far (the trees that have spent least first), so a
@@ -64,6 +70,7 @@ class Node:
     value_sum: float = 0.0
     children: list[int] = field(default_factory=list)
     expanded: bool = False  # K steps were drawn here; a seeded node has children but was never expanded
+    rounds: int = 0  # times K steps were drawn here (more than once only under progressive widening)
 
     @property
     def q(self) -> float | None:
@@ -78,6 +85,7 @@ class MCTSConfig:
     fpu: float = 0.0  # Q assumed for an unvisited child ("first-play urgency")
     max_depth: int = 16  # steps; a leaf this deep is evaluated, never expanded
     token_budget: int | None = None  # stop once the search has generated this many tokens, all trees together
+    widening: float = 0.0  # progressive widening's alpha: K more draws at a node once floor(N ** alpha) > its rounds
 
     def __post_init__(self) -> None:
         for name in ("simulations", "expansions", "max_depth"):
@@ -87,13 +95,15 @@ class MCTSConfig:
             raise ValueError(f"mcts.c_puct must be >= 0, got {self.c_puct}")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError(f"mcts.token_budget must be >= 1 (or null), got {self.token_budget}")
+        if not 0.0 <= self.widening < 1.0:
+            raise ValueError(f"mcts.widening must be in [0, 1), got {self.widening}")
 
     @classmethod
     def of(cls, section: Any, problems: int) -> MCTSConfig:
         """From a config's MCTS section (generate.mcts, score.tree.search), whose token budget is per problem."""
         budget = None if section.token_budget is None else section.token_budget * problems
         return cls(simulations=section.simulations, expansions=section.expansions, c_puct=section.c_puct,
-                   fpu=section.fpu, max_depth=section.max_depth, token_budget=budget)
+                   fpu=section.fpu, max_depth=section.max_depth, token_budget=budget, widening=section.widening)
 
 
 class Tree:
@@ -152,6 +162,7 @@ class Tree:
         over all children from their draws."""
         leaf = self.nodes[node_id]
         leaf.expanded = True
+        leaf.rounds += 1
         if not leaf.children:
             return [self.add(node_id, c, p) for c, p in zip(cands, _priors(cands))]
         new = []
@@ -181,9 +192,12 @@ class Tree:
             n.value_sum += value
 
     def select(self, cfg: MCTSConfig) -> Node:
-        """From the root down by PUCT to a node not yet expanded (a leaf, a terminal, or a seeded node)."""
+        """From the root down by PUCT to a node not yet expanded (a leaf, a terminal, or a seeded node), or, under
+        progressive widening, to the first node on the way that is due K more draws."""
         node = self.nodes[0]
         while node.children and node.expanded:
+            if cfg.widening and node.rounds < math.floor(node.visits ** cfg.widening):
+                return node
             sqrt_n = math.sqrt(max(node.visits, 1))
 
             def score(cid: int) -> tuple[float, int]:

@@ -221,7 +221,7 @@ def test_trees_grown_in_score_start_from_the_rounds_episodes_and_label_every_tur
     assert sorted(correct.values()) == [False, False, True, True]  # each problem: the right call, and 1+1
     calls: list[int] = []
     section = SimpleNamespace(simulations=3, expansions=2, c_puct=1.5, fpu=0.0, max_depth=8, token_budget=None,
-                              rollouts=1)
+                              rollouts=1, widening=0.0)
     owners, trees, leaf_of, counts = grow_episode_trees(env, branching(calls), {p.problem_id: p for p in problems},
                                                         trajs, turns, correct, section)
     assert owners == sorted(problems, key=lambda p: p.prompt)  # a tree per prompt, in prompt order
