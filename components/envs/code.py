@@ -204,6 +204,7 @@ class CodeEnv(FileProblems):
     # The share of reference episodes that first try the solution with one integer constant changed, read the
     # failing tests, then try the solution itself: demonstrations of revising, not only of passing.
     revise_fraction: float = 0.0
+    cycle_templates: bool = False  # True: a level's tasks take its templates in turn (N tasks: ~N/T each)
     isolation: str = "bwrap"  # "none" runs model code on the host: only by an explicit config switch
     sandbox_limits: Limits = Limits(wall_s=5.0, cpu_s=2, memory_mb=512, output_bytes=65536)
     limits: EpisodeLimits = EpisodeLimits(max_turns=3, max_wall_s=60.0, max_observation_chars=600)
@@ -221,8 +222,12 @@ class CodeEnv(FileProblems):
             self._load(Path(self.tasks))
 
     # -- problems ------------------------------------------------------------------------------
-    def _draw(self, rng: random.Random, level: int) -> Problem:
-        sig, text, body, inputs = rng.choice(TASKS[level])
+    def _templates(self, level: int) -> list[tuple[str, str, str, list[str]]]:
+        return TASKS[level]
+
+    def _draw(self, rng: random.Random, level: int, fixed: tuple[str, str, str, list[str]] | None = None) -> Problem:
+        """A task of `level` with parameters drawn from `rng`: its template drawn too, or `fixed`."""
+        sig, text, body, inputs = rng.choice(TASKS[level]) if fixed is None else fixed
         params = {"k": rng.randint(2, 9), "c": rng.randint(1, 40), "m": rng.randint(3, 15)}
         params["hi"] = params["k"] + params["c"]  # an upper bound above k
         solution = f"def {sig}:\n    {body.format(**params)}"

@@ -229,6 +229,7 @@ class SqlEnv(FileProblems):
                                     TOOL_SCHEMA, None),)
     explore: bool = True  # False: one turn, no run_sql (the one-shot baseline)
     lookup_values: bool = False  # True: each database spells its stored values its own way (SPELLINGS)
+    cycle_templates: bool = False  # True: a level's problems take its templates in turn (N problems: ~N/T each)
     _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -241,11 +242,18 @@ class SqlEnv(FileProblems):
             self._load(Path(self.questions), Path(self.databases))
 
     # -- problems ------------------------------------------------------------------------------
-    def _draw(self, rng: random.Random, level: int) -> Problem:
+    def _templates(self, level: int) -> list[tuple[str, tuple[str, str]]]:
+        return [(schema, t) for schema in sorted(QUESTIONS[level]) for t in QUESTIONS[level][schema]]
+
+    def _draw(self, rng: random.Random, level: int, fixed: tuple[str, tuple[str, str]] | None = None) -> Problem:
+        """A question of `level` on a database drawn from `rng`: its schema and template drawn too, or `fixed`."""
         for _ in range(100):
-            schema = rng.choice(sorted(s for s in SCHEMAS if QUESTIONS[level].get(s)))
+            if fixed is None:
+                schema = rng.choice(sorted(s for s in SCHEMAS if QUESTIONS[level].get(s)))
+            else:
+                schema = fixed[0]
             db_seed = rng.randrange(10**9)
-            question, template = rng.choice(QUESTIONS[level][schema])
+            question, template = rng.choice(QUESTIONS[level][schema]) if fixed is None else fixed[1]
             params = _params(rng)
             spelling = rng.choice(sorted(SPELLINGS)) if self.lookup_values else "plain"
             spell = SPELLINGS[spelling]

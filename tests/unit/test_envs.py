@@ -154,6 +154,46 @@ def test_generated_sql_questions_have_the_shape_of_their_level_and_a_spread_held
             assert len(set(held_out)) >= 3, (level, held_out)
 
 
+def test_cycle_templates_gives_each_template_of_a_level_its_share():
+    """`cycle_templates: true`: a level's problems take its templates in turn, a refused draw (a duplicate, a held-out
+    problem, an empty answer) retried on the same template. Level 5's held-out set is then 6 of each of its 5
+    templates (12, 10, 5, 2 and 1 as drawn at random), and 12 training problems hold each 2 or 3 times."""
+    from components.envs.sql import QUESTIONS
+
+    def counts(env: SqlEnv, problems) -> list[int]:
+        golds = [gold for pairs in QUESTIONS[5].values() for _, gold in pairs]
+        shapes = [re.compile(re.sub(r"\\\{\w+\\\}", ".+?", re.escape(g)) + "$") for g in golds]
+        got = [next(i for i, sh in enumerate(shapes) if sh.match(p.meta["gold"])) for p in problems]
+        return [got.count(i) for i in range(len(golds))]
+
+    cycled, drawn = SqlEnv(test_size=30, cycle_templates=True), SqlEnv(test_size=30)
+    assert counts(cycled, cycled.test_set(5)) == [6] * 5
+    assert sorted(counts(drawn, drawn.test_set(5))) == [1, 2, 5, 10, 12]
+    train = cycled.sample_problems(5, 12, seed=3)
+    assert sorted(counts(cycled, train)) == [2, 2, 2, 3, 3]
+    assert not {p.problem_id for p in train} & {p.problem_id for p in cycled.test_set(5)}
+    assert cycled.sample_problems(5, 12, seed=3) == train  # deterministic given the seed
+
+
+def test_cycle_templates_moves_on_from_a_template_with_no_new_task():
+    """Code's level 4 has two templates without parameters: one task each. Taking turns, a draw does not stall on
+    them: the held-out set is still 30 tasks, at most 2 of which are those two, and it spans every other template."""
+    from components.envs.code import TASKS
+
+    env = CodeEnv(test_size=30, cycle_templates=True)
+    bodies = [body for _, _, body, _ in TASKS[4]]
+    fixed = {b for b in bodies if "{" not in b}
+    held_out = env.test_set(4)
+    assert len(held_out) == 30 and len(fixed) == 2
+    shapes = [re.compile(re.sub(r"\\\{\w+\\\}", ".+?", re.escape(b)) + "$") for b in bodies]
+    counts = [0] * len(bodies)
+    for p in held_out:
+        counts[next(i for i, sh in enumerate(shapes) if sh.match(p.meta["solution"].split("\n    ", 1)[1]))] += 1
+    assert sum(c for c, b in zip(counts, bodies) if b in fixed) <= 2
+    assert all(c >= 3 for c, b in zip(counts, bodies) if b not in fixed), counts
+    assert CodeEnv(test_size=30).test_set(4) != held_out
+
+
 @pytest.mark.parametrize("query, expected", [
     ("DELETE FROM employees", "not authorized"),
     ("ATTACH DATABASE '/tmp/coevo-attach.db' AS x", "not authorized"),
