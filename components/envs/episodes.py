@@ -17,7 +17,7 @@ from components.envs import toolcalls
 from components.envs.base import Action, EpisodeLimits, Message, StepResult, Tool, call_tools
 
 
-REFUSALS = 20  # refused draws in a row after which a template is taken to have no new problem left
+REFUSALS = 50  # refused draws in a row after which a template is taken to have no new problem left
 
 
 class LeveledProblems:
@@ -67,32 +67,28 @@ class LeveledProblems:
         """A level's templates, for `cycle_templates`; `_draw(rng, level, template)` draws one of them."""
         raise NotImplementedError(f"{self.name}: no templates to cycle")
 
-    def _draw_nth(self, rng: random.Random, level: int, turn: int) -> Problem:
-        """A draw's next problem. With `cycle_templates` the level's templates take turns (template `turn` mod T),
-        so N problems hold each of T about N/T times; else the template is drawn too."""
-        if not getattr(self, "cycle_templates", False):
-            return self._draw(rng, level)
-        templates = self._templates(level)
-        return self._draw(rng, level, templates[turn % len(templates)])
-
     def _drawn(self, seed: str, level: int, n: int, exclude: set[str]) -> list[Problem]:
-        """`n` distinct problems of `level` from `seed`, none of `exclude`. A refused draw (a duplicate, an excluded
-        one) is retried on the same template; after `REFUSALS` in a row, that template's problems are taken to be
-        spent (one without parameters has a single problem) and the next one takes its turn."""
+        """`n` distinct problems of `level` from `seed`, none of `exclude`. With `cycle_templates` the level's
+        templates take turns, so N problems hold each of T about N/T times: a refused draw (a duplicate, an excluded
+        one) is retried on the same template, and one refused `REFUSALS` times in a row is taken to be spent (one
+        without parameters has a single problem) and leaves the turns."""
         rng = random.Random(seed)
+        live: list[Any] = list(self._templates(level)) if getattr(self, "cycle_templates", False) else [None]
         out: list[Problem] = []
         turn = refused = 0
         for _ in range(50 * n + 100):
-            if len(out) == n:
+            if len(out) == n or not live:
                 break
-            p = self._draw_nth(rng, level, turn)
+            template = live[turn % len(live)]
+            p = self._draw(rng, level) if template is None else self._draw(rng, level, template)
             kept = unique_problems(out + [p]) if p.problem_id not in exclude else out
             if len(kept) > len(out):
                 out, turn, refused = kept, turn + 1, 0
             else:
                 refused += 1
-                if refused == REFUSALS:
-                    turn, refused = turn + 1, 0
+                if refused == REFUSALS and template is not None:
+                    del live[turn % len(live)]
+                    refused = 0
         return out
 
     def test_set(self, level: int) -> list[Problem]:

@@ -177,7 +177,7 @@ def test_cycle_templates_gives_each_template_of_a_level_its_share():
 
 def test_cycle_templates_moves_on_from_a_template_with_no_new_task():
     """Code's level 4 has two templates without parameters: one task each. Taking turns, a draw does not stall on
-    them: the held-out set is still 30 tasks, at most 2 of which are those two, and it spans every other template."""
+    them: the held-out set is still 30 tasks, at most 2 of which are those two, and each other template has 3-4."""
     from components.envs.code import TASKS
 
     env = CodeEnv(test_size=30, cycle_templates=True)
@@ -192,6 +192,11 @@ def test_cycle_templates_moves_on_from_a_template_with_no_new_task():
     assert sum(c for c, b in zip(counts, bodies) if b in fixed) <= 2
     assert all(c >= 3 for c, b in zip(counts, bodies) if b not in fixed), counts
     assert CodeEnv(test_size=30).test_set(4) != held_out
+    # A spent template leaves the turns: small levels give as many distinct tasks as drawn at random (level 3 has
+    # 64; with a spent template kept in the turns, level 2 gave 184 of 300).
+    drawn = CodeEnv(test_size=30)
+    assert [len(env.sample_problems(lv, 300, seed=7)) for lv in (2, 3)] == \
+        [len(drawn.sample_problems(lv, 300, seed=7)) for lv in (2, 3)] == [300, 64]
 
 
 @pytest.mark.parametrize("query, expected", [
