@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from components.domains.base import Problem, unique_problems
+from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import Action, EpisodeLimits, Message, StepResult, Tool, call_tools
 
@@ -32,6 +32,7 @@ class LeveledProblems:
     max_level: int
     test_size: int
     step_separator: str = "\n"
+    cycle_templates: bool = False  # an environment with templates may take them in turn (`_drawn`)
 
     def reference_solution(self, problem: Problem) -> str:
         """The reference episode's final answer turn."""
@@ -73,17 +74,19 @@ class LeveledProblems:
         one) is retried on the same template, and one refused `REFUSALS` times in a row is taken to be spent (one
         without parameters has a single problem) and leaves the turns."""
         rng = random.Random(seed)
-        live: list[Any] = list(self._templates(level)) if getattr(self, "cycle_templates", False) else [None]
+        live: list[Any] = list(self._templates(level)) if self.cycle_templates else [None]
         out: list[Problem] = []
+        taken = set(exclude)
         turn = refused = 0
         for _ in range(50 * n + 100):
             if len(out) == n or not live:
                 break
             template = live[turn % len(live)]
             p = self._draw(rng, level) if template is None else self._draw(rng, level, template)
-            kept = unique_problems(out + [p]) if p.problem_id not in exclude else out
-            if len(kept) > len(out):
-                out, turn, refused = kept, turn + 1, 0
+            if p.problem_id not in taken:
+                out.append(p)
+                taken.add(p.problem_id)
+                turn, refused = turn + 1, 0
             else:
                 refused += 1
                 if refused == REFUSALS and template is not None:

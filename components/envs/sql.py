@@ -248,10 +248,7 @@ class SqlEnv(FileProblems):
     def _draw(self, rng: random.Random, level: int, fixed: tuple[str, tuple[str, str]] | None = None) -> Problem:
         """A question of `level` on a database drawn from `rng`: its schema and template drawn too, or `fixed`."""
         for _ in range(100):
-            if fixed is None:
-                schema = rng.choice(sorted(s for s in SCHEMAS if QUESTIONS[level].get(s)))
-            else:
-                schema = fixed[0]
+            schema = rng.choice(sorted(s for s in SCHEMAS if QUESTIONS[level].get(s))) if fixed is None else fixed[0]
             db_seed = rng.randrange(10**9)
             question, template = rng.choice(QUESTIONS[level][schema]) if fixed is None else fixed[1]
             params = _params(rng)
