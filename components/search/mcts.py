@@ -69,8 +69,12 @@ class Node:
     visits: int = 0
     value_sum: float = 0.0
     children: list[int] = field(default_factory=list)
-    expanded: bool = False  # K steps were drawn here; a seeded node has children but was never expanded
     rounds: int = 0  # times K steps were drawn here (more than once only under progressive widening)
+
+    @property
+    def expanded(self) -> bool:
+        """K steps were drawn here; a seeded node has children but was never expanded."""
+        return self.rounds > 0
 
     @property
     def q(self) -> float | None:
@@ -161,7 +165,6 @@ class Tree:
         already, a draw of the same step joins its node (its draws and tokens added) and priors are recomputed
         over all children from their draws."""
         leaf = self.nodes[node_id]
-        leaf.expanded = True
         leaf.rounds += 1
         if not leaf.children:
             return [self.add(node_id, c, p) for c, p in zip(cands, _priors(cands))]
@@ -291,7 +294,7 @@ def mcts_search(prompts: list[str],
         new: list[tuple[Tree, Node]] = []
         for (t, leaf), cands in zip(grow, proposals):
             if not cands and leaf.children:  # a seeded node drew nothing new: its seeded steps stay
-                leaf.expanded = True
+                leaf.rounds += 1
                 continue
             if not cands:  # the policy ended the solution here: a terminal, for the verifier to judge
                 leaf.terminal = True

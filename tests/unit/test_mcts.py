@@ -154,6 +154,25 @@ def test_progressive_widening_keeps_drawing_where_every_path_has_ended():
             assert all(k.prior == pytest.approx(k.draws / sum(x.draws for x in kids)) for k in kids)
 
 
+def test_a_node_that_draws_nothing_new_counts_as_drawn_under_widening():
+    """A seeded node where the policy draws nothing new keeps its seeded steps and counts one round of draws, so
+    widening does not send every later simulation back to it: each node is asked once in six simulations."""
+    from components.search import Tree
+
+    tree = Tree("9")
+    tree.seed(["+1\n", "+1\n", "+1\n"], 0.0)
+    tree.seed(["+2\n", "+2\n", "+2\n"], 0.0)
+    asked: list[str] = []
+
+    def nothing(pairs, k):
+        asked.extend(prefix for _, prefix in pairs)
+        return [[] for _ in pairs]
+
+    mcts_search(["9"], nothing, value, rewards, MCTSConfig(simulations=6, expansions=3, widening=0.5), trees=[tree])
+    assert asked and len(asked) == len(set(asked)), asked
+    assert all(n.expanded and n.rounds == 1 for n in tree.nodes if n.children)
+
+
 def test_callbacks_that_break_their_contract_are_named():
     with pytest.raises(ValueError, match="expand returned 0 lists of candidates for 1 leaves"):
         mcts_search(["9"], lambda pairs, k: [], value, rewards, MCTSConfig(simulations=1))
