@@ -18,7 +18,10 @@ at the data, which the reference episodes take (`SELECT DISTINCT country FROM cu
 
 Execution is read-only and bounded: an authorizer lets through reads and nothing else (no ATTACH, PRAGMA, writes
 or extensions), a progress handler ends a query past `timeout_s`, and at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
-multisets; order counts only where the gold query has an ORDER BY.
+multisets; order counts only where the gold query has an ORDER BY. On one database a wrong query can return the
+right rows (`d.name = 'Legal'` where Legal is the only department in Lisbon); with `test_suite=k` a generated
+question's answer must also match on k sibling databases (its schema, values and spelling, other rows), as
+Spider's test-suite accuracy asks (Zhong et al., 2020). The agent explores its own database only.
 
     >>> env = SqlEnv()
     >>> p = env.sample_problems(level=3, n=1, seed=0)[0]
@@ -37,6 +40,7 @@ import re
 import sqlite3
 import time
 from collections import Counter
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,6 +234,7 @@ class SqlEnv(FileProblems):
     explore: bool = True  # False: one turn, no run_sql (the one-shot baseline)
     lookup_values: bool = False  # True: each database spells its stored values its own way (SPELLINGS)
     cycle_templates: bool = False  # True: a level's problems take its templates in turn (N problems: ~N/T each)
+    test_suite: int = 0  # sibling databases the answer must match on as well (generated questions only)
     _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -238,6 +243,9 @@ class SqlEnv(FileProblems):
             self.limits = EpisodeLimits(1, self.limits.max_wall_s, self.limits.max_observation_chars)
         if (self.questions is None) != (self.databases is None):
             raise SqlError("sql: give both `questions` (a Spider/BIRD JSON file) and `databases` (its folder), or neither")
+        if self.test_suite < 0 or (self.test_suite and self.questions is not None):
+            raise SqlError(f"sql: test_suite={self.test_suite}: expected a count of sibling databases >= 0, and 0 with "
+                           "Spider/BIRD files, which give one database a question")
         if self.questions is not None:
             self._load(Path(self.questions), Path(self.databases))
 
@@ -307,11 +315,13 @@ class SqlEnv(FileProblems):
         self._hold_out(problems)
 
     # -- episodes ------------------------------------------------------------------------------
-    def _database(self, problem: Problem) -> sqlite3.Connection:
+    def _database(self, problem: Problem, sibling: int | None = None) -> sqlite3.Connection:
+        """The problem's database, or its `sibling`-th sibling: the same schema and spelling, rows from another seed."""
         if "db_path" in problem.meta:
             return connect(path=problem.meta["db_path"])
         spell = SPELLINGS[problem.meta.get("spelling", "plain")]
-        return connect(SCHEMAS[problem.meta["schema"]](random.Random(problem.meta["db_seed"]), spell))
+        seed = problem.meta["db_seed"] if sibling is None else f"{problem.meta['db_seed']}/{sibling}"
+        return connect(SCHEMAS[problem.meta["schema"]](random.Random(seed), spell))
 
     def episode(self, problem: Problem) -> ToolEpisode:
         return ToolEpisode(self, problem, self.limits)
@@ -335,16 +345,27 @@ class SqlEnv(FileProblems):
 
     def score(self, problem: Problem, text: str, con: sqlite3.Connection | None = None) -> float:
         """Execution match: the answer's rows against the gold query's, as multisets (in order where the gold
-        query orders). A query that fails, is refused or times out scores 0."""
-        con = con or self._database(problem)
+        query orders), on the problem's database and, with `test_suite`, on each sibling. A query that fails, is
+        refused or times out scores 0."""
+        query = answer_query(text)
+        if not self._matches(con or self._database(problem), problem, query):
+            return 0.0
+        siblings = self.test_suite if "db_path" not in problem.meta else 0
+        for i in range(siblings):
+            with closing(self._database(problem, i)) as sibling:
+                if not self._matches(sibling, problem, query):
+                    return 0.0
+        return 1.0
+
+    def _matches(self, con: sqlite3.Connection, problem: Problem, query: str) -> bool:
         cap = 10 * self.max_rows
         try:
             _, want = execute(con, problem.meta["gold"], self.timeout_s, cap)
-            _, got = execute(con, answer_query(text), self.timeout_s, cap)
+            _, got = execute(con, query, self.timeout_s, cap)
         except (sqlite3.Error, sqlite3.Warning, ValueError):
-            return 0.0
+            return False
         want, got = [_norm(r) for r in want], [_norm(r) for r in got]
-        return float(want == got if problem.meta["ordered"] else Counter(want) == Counter(got))
+        return want == got if problem.meta["ordered"] else Counter(want) == Counter(got)
 
     def reference_episode(self, problem: Problem) -> list[Message]:
         """One exploratory query, its result, then the gold query as the answer; with `explore=False`, the answer

@@ -238,6 +238,27 @@ def test_execution_match_compares_multisets_and_order_only_where_the_gold_orders
     assert env.score(flat, f"SELECT * FROM ({gold_flat}) UNION ALL SELECT * FROM ({gold_flat})") == 0.0  # multiset
 
 
+
+def test_a_test_suite_of_sibling_databases_refuses_a_query_right_on_one_database_by_chance():
+    """`d.name = 'Legal'` returns the rows of `d.city = 'Lisbon'` where Legal is Lisbon's only department; the
+    siblings (the same schema and values, other rows) tell them apart, and an equivalent rewrite still passes."""
+    lone, suite = SqlEnv(), SqlEnv(test_suite=4)
+    for p in lone.sample_problems(3, 200, seed=0):
+        city = re.search(r"d\.city = '(\w+)'", p.meta["gold"])
+        con = lone._database(p) if city else None
+        depts = con.execute("SELECT name FROM departments WHERE city = ?", (city[1],)).fetchall() if city else []
+        if len(depts) == 1:
+            break
+    else:
+        pytest.fail("no level-3 question on a city with one department in 200 draws")
+    by_name = p.meta["gold"].replace(f"d.city = '{city[1]}'", f"d.name = '{depts[0][0]}'")
+    nested = f"SELECT name FROM employees WHERE dept_id IN (SELECT id FROM departments WHERE city = '{city[1]}')"
+    assert (lone.score(p, by_name), suite.score(p, by_name)) == (1.0, 0.0)
+    assert (suite.score(p, p.meta["gold"]), suite.score(p, nested)) == (1.0, 1.0)
+    assert [r.reward for r in replay(suite, [p])[0]] == [1.0]  # through the episode, on its own connection
+    with pytest.raises(SqlError, match=r"test_suite=-1: expected a count of sibling databases >= 0"):
+        SqlEnv(test_suite=-1)
+
 @pytest.fixture
 def spider(tmp_path):
     db = tmp_path / "database" / "zoo" / "zoo.sqlite"
@@ -265,6 +286,8 @@ def test_spider_and_bird_format_questions_over_sqlite_files(spider):
     records, _ = replay(env, problems)
     assert [r.reward for r in records] == [1.0] * len(problems)
     assert (databases / "zoo" / "zoo.sqlite").stat().st_size > 0
+    with pytest.raises(SqlError, match=r"test_suite=2: .* 0 with Spider/BIRD files"):
+        SqlEnv(questions=str(path), databases=str(databases), test_suite=2)
 
 
 def test_a_missing_or_corrupt_database_or_a_bad_row_is_named_at_load(spider, tmp_path):
