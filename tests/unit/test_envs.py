@@ -238,7 +238,6 @@ def test_execution_match_compares_multisets_and_order_only_where_the_gold_orders
     assert env.score(flat, f"SELECT * FROM ({gold_flat}) UNION ALL SELECT * FROM ({gold_flat})") == 0.0  # multiset
 
 
-
 def test_a_test_suite_of_sibling_databases_refuses_a_query_right_on_one_database_by_chance():
     """`d.name = 'Legal'` returns the rows of `d.city = 'Lisbon'` where Legal is Lisbon's only department; the
     siblings (the same schema and values, other rows) tell them apart, and an equivalent rewrite still passes."""
@@ -258,6 +257,7 @@ def test_a_test_suite_of_sibling_databases_refuses_a_query_right_on_one_database
     assert [r.reward for r in replay(suite, [p])[0]] == [1.0]  # through the episode, on its own connection
     with pytest.raises(SqlError, match=r"test_suite=-1: expected a count of sibling databases >= 0"):
         SqlEnv(test_suite=-1)
+
 
 @pytest.fixture
 def spider(tmp_path):
