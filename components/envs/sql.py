@@ -350,8 +350,7 @@ class SqlEnv(FileProblems):
         query = answer_query(text)
         if not self._matches(con or self._database(problem), problem, query):
             return 0.0
-        siblings = self.test_suite if "db_path" not in problem.meta else 0
-        for i in range(siblings):
+        for i in range(self.test_suite):  # 0 for Spider/BIRD files (__post_init__)
             with closing(self._database(problem, i)) as sibling:
                 if not self._matches(sibling, problem, query):
                     return 0.0
