@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,14 +54,15 @@ def _api_url() -> str:
     return PREFECT_API_URL.value()
 
 
-def _worker_env(s3_env: dict[str, str], cache: Path) -> dict[str, str]:
+def _worker_env(s3_env: dict[str, str], cache: Path, tmp: Path) -> dict[str, str]:
     # This interpreter's folder first on PATH, as in an activated environment: flow runs start as
-    # `python -m flows.warm_engine` (execution.warm_workers).
+    # `python -m flows.warm_engine` (execution.warm_workers). A TMPDIR of its own: a worker killed leaves its
+    # runner's `runner_storage/<uuid>` folder and its warm server's socket folder there, not in /tmp.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
     return os.environ | TELEMETRY_OFF | s3_env | {
         "PREFECT_API_URL": _api_url(), "PYTHONPATH": str(REPO), "COEVO_TORCH_THREADS": "1", "PATH": path,
         "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "0",
-        "PREFECT_LOGGING_LEVEL": "INFO", "COEVO_CACHE_DIR": str(cache)}
+        "PREFECT_LOGGING_LEVEL": "INFO", "COEVO_CACHE_DIR": str(cache), "TMPDIR": str(tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +74,23 @@ def workers(prefect_server, s3_endpoint, tmp_path_factory):
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name=POOL, type="process"), overwrite=True)
     logs = tmp_path_factory.mktemp("workers")
+    tmp = Path(tempfile.mkdtemp(prefix="coevo-pool-"))  # short: a warm server's socket path must fit in 108 bytes
     procs = {}
     for name in WORKERS:
+        (tmp / name).mkdir()
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL, "--type", "process", "--limit", "1",
-             "--name", name], env=_worker_env(s3_endpoint.env(), logs / f"{name}-cache"), cwd=REPO,
+             "--name", name], env=_worker_env(s3_endpoint.env(), logs / f"{name}-cache", tmp / name), cwd=REPO,
             stdout=open(logs / f"{name}.log", "w"),
             stderr=subprocess.STDOUT, start_new_session=True)
-    _wait_online(set(WORKERS))
-    yield procs, logs
-    for p in procs.values():
-        _kill_tree(p.pid)
+    try:
+        _wait_online(set(WORKERS))
+        yield procs, logs
+    finally:
+        for p in procs.values():
+            _kill_tree(p.pid)
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _wait_online(names: set[str], timeout_s: float = 90) -> None:
