@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,12 @@ def user_configs(servers, tmp_path) -> Path:
 @pytest.fixture
 def served(servers, user_configs, tmp_path):
     """`coevo serve --configs <user_configs>` in the background against the test's Prefect server; stopped
-    (SIGINT) afterwards."""
+    (SIGINT) afterwards. Its TMPDIR is its own, removed after it: the run left a Prefect `runner_storage/<uuid>`
+    folder in /tmp. Short, so a warm server's socket path still fits in 108 bytes."""
     log = open(tmp_path / "serve.log", "w")
+    tmp = tempfile.mkdtemp(prefix="coevo-serve-")
     env = coevo_env(env={"PREFECT_API_URL": servers.prefect_api, "MLFLOW_TRACKING_URI": servers.mlflow_url,
-                         "COEVO_WORKDIR": str(servers.workdir)})
+                         "COEVO_WORKDIR": str(servers.workdir), "TMPDIR": tmp})
     proc = subprocess.Popen(coevo_cmd("serve", "--configs", str(user_configs)), cwd=REPO, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -134,6 +137,7 @@ def served(servers, user_configs, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def wait_for(fn, timeout: float, what: str, interval: float = 1.0):
