@@ -302,6 +302,12 @@ class FilterConfig(_Section):
                     "round's (from round 2). 'round': this round's, from round 1, which train_reward trains without "
                     "them, on wrong answers' labels, the demonstrations and right answers an earlier filter kept; "
                     "it also re-judges train_policy's replay pool, so what an earlier judge let in can drop out.")
+    judge_max_drop: float | None = Field(
+        None, gt=0.0, lt=1.0, exclude_if=lambda v: v is None,
+        description="Calibrate min_step_score on what the judge judges: where more than this share of the round's "
+                    "right answers (or of a re-judged replay pool) score a step below min_step_score, the threshold "
+                    "drops to the score that drops this share, the least familiar answers first. Unset: the fixed "
+                    "threshold.")
     dpo_pairs: bool = Field(False, description="Also select DPO pairs: per problem, the best-scored correct "
                                                "trajectory against the worst-scored incorrect one.")
     max_pairs_per_problem: int = Field(1, ge=1)
@@ -722,6 +728,9 @@ class ExperimentConfig(_Section):
                                  "train_reward.enabled=true, or filter.judge=previous")
             if self.filter.min_step_score is None:
                 raise ValueError(f"{where} against filter.min_step_score: set it (e.g. 0.5)")
+        if self.filter.judge_max_drop is not None and self.filter.min_step_score is None:
+            raise ValueError("filter.judge_max_drop caps the share of right answers filter.min_step_score drops: "
+                             "set filter.min_step_score too (e.g. 0.5)")
         tree_labels = self.train_reward.label_source.startswith("tree_")
         if self.train_reward.enabled and not tree_labels and self.score.mc_rollouts < 1:
             raise ValueError(f"train_reward.label_source={self.train_reward.label_source} needs Monte Carlo step "

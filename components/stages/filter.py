@@ -32,7 +32,8 @@ def plan(p: Planner) -> Inputs:
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.filtering import dpo_pairs, judge_catch_rates, rft_filter, step_pair_selections, step_rejects
+    from components.filtering import (dpo_pairs, judge_catch_rates, judge_threshold, rft_filter, step_pair_selections,
+                                      step_rejects)
     from components.reward_eval import repeated_step_rate
     from components.scoring import outcome_scores
 
@@ -62,14 +63,20 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     judge, judge_scorer = (judge_rows, "judge") if f.judge == "round" else (score_rows, "prm")
     prm_min = {s["trajectory_id"]: s["value"] for s in judge if s["scorer"] == judge_scorer and s["aggregate"] == "min"}
     ids = [t["trajectory_id"] for t in trajs]
+    threshold = f.min_step_score
+    if threshold is not None and f.judge_max_drop is not None:  # calibrated on the right answers it judges
+        threshold = judge_threshold([prm_min[t] for t in ids if correct.get(t) and t in prm_min], threshold,
+                                    f.judge_max_drop)
     # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
-    judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=f.min_step_score)
+    judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=threshold)
     rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, prm_min=prm_min,
-                           min_step_score=f.min_step_score)
+                           min_step_score=threshold)
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
                       dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
     n_sel = sum(r["selected"] for r in rows)
     metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
+    if threshold is not None and prm_min:
+        metrics["judge_min_step_score"] = threshold
     if has_checker:  # evaluation only: the checker measures the learned judges, whether or not it filters
         metrics |= judge_catch_rates(correct, checker, judged)
     if f.dpo_pairs:
@@ -95,7 +102,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     write(out, selections=rows)
     log("filter", f"selected {n_sel} of {len(trajs)} trajectories for policy_sft, ranked by {source}"
                   + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else "")
-                  + (f"; {metrics['step_dpo_pairs']:.0f} step-level DPO pairs" if "step_dpo_pairs" in metrics else ""))
+                  + (f"; {metrics['step_dpo_pairs']:.0f} step-level DPO pairs" if "step_dpo_pairs" in metrics else "")
+                  + (f"; the judge's threshold {threshold:.3f}, calibrated to drop at most {f.judge_max_drop:g} of the "
+                     "right answers" if threshold is not None and f.judge_max_drop is not None else ""))
     return metrics
 
 

@@ -123,16 +123,21 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 def rejudge(spec: StageSpec, inp: Inputs, pool: dict[str, dict[str, Any]]) -> set[str]:
     """filter.judge=round: the replay pool's earlier right answers (not the demonstrations, round 0), judged again
-    by this round's PRM; those whose weakest step it scores below filter.min_step_score leave the pool."""
+    by this round's PRM; those whose weakest step it scores below filter.min_step_score (calibrated on the pool, with
+    filter.judge_max_drop) leave the pool."""
+    from components.filtering import judge_threshold
+
     earlier = [t for t in pool.values() if t["round"] > 0]
     if not earlier:
         return set()
     steps: dict[str, list[str]] = {}
     for r in sorted({t["round"] for t in earlier}):
         steps |= reward_steps(spec, "generate", round=r)
-    threshold = spec.cfg().filter.min_step_score
-    rows = reward_scores(spec, "prm", inp.judge_uri, inp.judge_model_id, earlier, steps)
-    out = {r["trajectory_id"] for r in rows if r["aggregate"] == "min" and r["value"] < threshold}
+    f = spec.cfg().filter
+    rows = [r for r in reward_scores(spec, "prm", inp.judge_uri, inp.judge_model_id, earlier, steps)
+            if r["aggregate"] == "min"]
+    threshold = judge_threshold([r["value"] for r in rows], f.min_step_score, f.judge_max_drop)
+    out = {r["trajectory_id"] for r in rows if r["value"] < threshold}
     log("train_policy", f"replay re-judged by {inp.judge_model_id}: {len(out)} of {len(earlier)} earlier right "
                         f"answers score a step below {threshold:g} and leave the pool")
     return out

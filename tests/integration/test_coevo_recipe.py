@@ -351,7 +351,7 @@ def test_round_zero_is_the_given_model_as_it_is(coevo_run, micro_workdir):
 JUDGE = ["experiment=micro-coevo-judge", "filter.judge=round", "generate.problems_per_level=24",
          "generate.search=null", "filter.dpo_pairs=false", "filter.step_dpo_pairs=false", "train_policy.method=sft",
          *SHORT_SFT, "train_reward.steps=60", "evaluate.search=null", "evaluate.best_of_n=[]",
-         "evaluate.problems_per_level=10", "evaluate.maj_k=1"]
+         "evaluate.problems_per_level=10", "evaluate.maj_k=1", "filter.judge_max_drop=0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +367,8 @@ def judge_run(prefect_server, micro_workdir, tmp_path_factory):
 
 def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     """Round r's PRM trains on wrong answers' labels, the demonstrations and right answers an earlier filter kept;
-    it scores round r's right answers (scorer `judge`), from round 1, and the filter drops those it scores low."""
+    it scores round r's right answers (scorer `judge`), from round 1, and the filter drops those it scores low: below
+    min_step_score, or at most judge_max_drop of them where more score below it."""
     import json
 
     cfg, store = judge_run
@@ -391,16 +392,31 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
         LEFT JOIN models p ON p.experiment_id = t.experiment_id AND p.round = t.round AND p.role = 'prm'
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct GROUP BY ALL ORDER BY ALL""", [exp])
     assert [r[0] for r in per_round] == [1, 2] and all(n == held == judged > 0 for _, n, held, judged in per_round)
-    # The filter drops the right answers the judge scores low, from round 1 on, and says so.
+    # The filter drops the right answers the judge scores low, from round 1 on, and says so. Its threshold is
+    # min_step_score, lowered in a round where that would drop more than judge_max_drop of the right answers.
     rows = store.rows("""
         SELECT sel.round, sel.reason, j.value AS judge_min FROM selections sel
         JOIN verifications v USING (trajectory_id)
         JOIN scores j ON j.trajectory_id = sel.trajectory_id AND j.scorer = 'judge' AND j.aggregate = 'min'
         WHERE sel.experiment_id = ? AND sel.purpose = 'policy_sft' AND v.correct""", [exp])
-    low = [r for r in rows if r["judge_min"] < cfg.filter.min_step_score]
+
+    def metrics(stage: str) -> dict[int, dict]:
+        return {r: json.loads(x) for r, x in store.query("SELECT round, metrics_json FROM stage_runs WHERE "
+                                                         "experiment_id=? AND stage=? AND status='committed'",
+                                                         [exp, stage])[1]}
+
+    threshold = {r: m["judge_min_step_score"] for r, m in metrics("filter").items()}
+    assert sorted(threshold) == [1, 2] and all(t <= cfg.filter.min_step_score for t in threshold.values())
+    low = [r for r in rows if r["judge_min"] < threshold[r["round"]]]
     assert low and all(r["reason"].startswith("prm: weakest step") for r in low)
-    assert all(not r["reason"].startswith("prm:") for r in rows if r["judge_min"] >= cfg.filter.min_step_score)
-    m = {r: json.loads(x) for r, x in store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id=? "
-                                                  "AND stage = 'train_policy' AND status='committed'", [exp])[1]}
+    assert all(not r["reason"].startswith("prm:") for r in rows if r["judge_min"] >= threshold[r["round"]])
+    for rnd in threshold:
+        judged = [r["judge_min"] for r in rows if r["round"] == rnd]
+        assert sum(v < threshold[rnd] for v in judged) <= cfg.filter.judge_max_drop * len(judged)
+    # The cap bound: min_step_score alone would have dropped more than judge_max_drop of a round's right answers.
+    bound = [rnd for rnd, t in threshold.items() if t < cfg.filter.min_step_score]
+    assert bound and all(sum(r["judge_min"] < cfg.filter.min_step_score for r in rows if r["round"] == rnd)
+                         > cfg.filter.judge_max_drop * sum(r["round"] == rnd for r in rows) for rnd in bound)
+    m = metrics("train_policy")
     assert m[2]["replay_judged_out"] >= 0  # round 2's PRM re-judged the replay pool (round 1's kept answers)
     assert_plans_read_what_they_declare(cfg, store, tmp_path)
