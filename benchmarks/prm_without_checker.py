@@ -21,7 +21,7 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   labels, the demonstrations and right answers an earlier filter kept, never on the right answers it judges, and
   re-judges the replay pool (`filter.judge=round`);
 - `coevo-judge-cap`: coevo-judge whose threshold is calibrated each round on the answers it judges: it drops at
-  most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`);
+  most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`); `coevo-judge-cap20` at most 20%;
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -63,9 +63,11 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # coevo-judge whose threshold is calibrated on the answers it judges: it drops at most 30% of a round's right
     # answers (rft-outcome's rounds held 5-36% unsound ones), the lowest scored first.
     "coevo-judge-cap": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3"]),
+    "coevo-judge-cap20": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round",
+                                                       "filter.judge_max_drop=0.2"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap")
+COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20")
 
 
 def _sampler() -> list[str]:
