@@ -91,8 +91,8 @@ def step_rejects(
 
 def judge_threshold(weakest: list[float], min_step_score: float, max_drop: float | None) -> float:
     """The score a right answer's weakest step must reach: `min_step_score`, lowered where more than a `max_drop`
-    share of `weakest` (the judged right answers' weakest-step scores) would fall below it, to the score that
-    drops at most that share. A judge that finds most of a round's sound answers unfamiliar then drops its
+    share (in (0, 1), as filter.judge_max_drop) of `weakest` (the judged right answers' weakest-step scores) would
+    fall below it, to the score that drops at most that share. A judge that finds most of a round's sound answers unfamiliar then drops its
     least familiar ones, not most of the round; a judge that drops less than the cap is left as it is.
 
     >>> judge_threshold([0.1, 0.2, 0.3, 0.4, 0.9], 0.5, 0.4)    # 4 of 5 below 0.5: the cap keeps 2
@@ -105,8 +105,7 @@ def judge_threshold(weakest: list[float], min_step_score: float, max_drop: float
     if max_drop is None or not weakest:
         return min_step_score
     ranked = sorted(weakest)
-    k = int(max_drop * len(ranked))  # at most k answers score strictly below ranked[k]
-    return min(min_step_score, ranked[k]) if k < len(ranked) else min_step_score
+    return min(min_step_score, ranked[int(max_drop * len(ranked))])  # at most that many score strictly below it
 
 
 def judge_catch_rates(correct: dict[str, bool | None], checker: dict[str, bool | None],

@@ -63,10 +63,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     judge, judge_scorer = (judge_rows, "judge") if f.judge == "round" else (score_rows, "prm")
     prm_min = {s["trajectory_id"]: s["value"] for s in judge if s["scorer"] == judge_scorer and s["aggregate"] == "min"}
     ids = [t["trajectory_id"] for t in trajs]
-    threshold = f.min_step_score
-    if threshold is not None and f.judge_max_drop is not None:  # calibrated on the right answers it judges
-        threshold = judge_threshold([prm_min[t] for t in ids if correct.get(t) and t in prm_min], threshold,
-                                    f.judge_max_drop)
+    threshold = f.min_step_score if f.min_step_score is None else judge_threshold(  # calibrated on what it judges
+        [prm_min[t] for t in ids if correct.get(t) and t in prm_min], f.min_step_score, f.judge_max_drop)
     # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=threshold)
     rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, prm_min=prm_min,

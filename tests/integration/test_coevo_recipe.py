@@ -410,13 +410,16 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     low = [r for r in rows if r["judge_min"] < threshold[r["round"]]]
     assert low and all(r["reason"].startswith("prm: weakest step") for r in low)
     assert all(not r["reason"].startswith("prm:") for r in rows if r["judge_min"] >= threshold[r["round"]])
-    for rnd in threshold:
-        judged = [r["judge_min"] for r in rows if r["round"] == rnd]
-        assert sum(v < threshold[rnd] for v in judged) <= cfg.filter.judge_max_drop * len(judged)
+    judged = {rnd: [r["judge_min"] for r in rows if r["round"] == rnd] for rnd in threshold}
+
+    def below(rnd: int, score: float) -> int:
+        return sum(v < score for v in judged[rnd])
+
+    cap = {rnd: cfg.filter.judge_max_drop * len(judged[rnd]) for rnd in threshold}
+    assert all(below(rnd, threshold[rnd]) <= cap[rnd] for rnd in threshold)
     # The cap bound: min_step_score alone would have dropped more than judge_max_drop of a round's right answers.
     bound = [rnd for rnd, t in threshold.items() if t < cfg.filter.min_step_score]
-    assert bound and all(sum(r["judge_min"] < cfg.filter.min_step_score for r in rows if r["round"] == rnd)
-                         > cfg.filter.judge_max_drop * sum(r["round"] == rnd for r in rows) for rnd in bound)
+    assert bound and all(below(rnd, cfg.filter.min_step_score) > cap[rnd] for rnd in bound)
     m = metrics("train_policy")
     assert m[2]["replay_judged_out"] >= 0  # round 2's PRM re-judged the replay pool (round 1's kept answers)
     assert_plans_read_what_they_declare(cfg, store, tmp_path)
