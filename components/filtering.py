@@ -129,6 +129,33 @@ def judge_catch_rates(correct: dict[str, bool | None], checker: dict[str, bool |
     return out
 
 
+def judge_ranking(weakest: dict[str, float], checker: dict[str, bool | None],
+                  max_false_drop: float = 0.05) -> dict[str, float]:
+    """How well a judge ranks the right answers it judged (`weakest`: its score of each one's weakest step),
+    apart from where its threshold sits, for evaluation only, against the domain's step checker:
+
+    - `judge_auc`: the chance that an unsound answer scores below a sound one (ties count half); 0.5 is a coin;
+    - `judge_hindsight_catch`: the catch rate of the best threshold in hindsight that drops at most
+      `max_false_drop` of the sound ones. No threshold the judge could pick without the checker does better,
+      so it bounds what calibration alone can reach.
+
+    >>> r = judge_ranking({"a": 0.1, "b": 0.3, "c": 0.2, "d": 0.9, "e": 0.8}, {"a": False, "b": False, "c": True,
+    ...                   "d": True, "e": True}, max_false_drop=0.0)
+    >>> r["judge_auc"], r["judge_hindsight_catch"]
+    (0.8333333333333334, 0.5)
+    """
+    from bisect import bisect_left, bisect_right
+
+    good = sorted(s for t, s in weakest.items() if checker.get(t) is True)
+    bad = [s for t, s in weakest.items() if checker.get(t) is False]
+    if not good or not bad:
+        return {}
+    above = sum(len(good) - bisect_right(good, s) + 0.5 * (bisect_right(good, s) - bisect_left(good, s)) for s in bad)
+    threshold = good[int(max_false_drop * len(good))]  # dropping below it drops at most that share of sound ones
+    return {"judge_auc": above / (len(good) * len(bad)),
+            "judge_hindsight_catch": sum(s < threshold for s in bad) / len(bad)}
+
+
 def dpo_pairs(
     trajectories: list[dict[str, Any]], correct: dict[str, bool | None], scores: dict[str, float], *,
     experiment: str, round: int, max_pairs_per_problem: int, eligible: dict[str, bool] | None = None,

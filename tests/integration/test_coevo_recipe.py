@@ -371,6 +371,8 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     min_step_score, or at most judge_max_drop of them where more score below it."""
     import json
 
+    from components.domains.arith import ArithDomain
+
     cfg, store = judge_run
     exp = cfg.experiment
     # No PRM trained on a right answer of its own round, nor on one no filter had kept.
@@ -420,6 +422,17 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     # The cap bound: min_step_score alone would have dropped more than judge_max_drop of a round's right answers.
     bound = [rnd for rnd, t in threshold.items() if t < cfg.filter.min_step_score]
     assert bound and all(below(rnd, cfg.filter.min_step_score) > cap[rnd] for rnd in bound)
+    # How the judge ranked each round's right answers, whatever its threshold, as the domain's checker sees them:
+    # the chance that an unsound one scored below a sound one, counted here pair by pair.
+    checker = ArithDomain()
+    answers = store.rows("SELECT t.round, t.prompt, t.completion, j.value FROM trajectories t JOIN verifications v "
+                         "USING (trajectory_id) JOIN scores j ON j.trajectory_id = t.trajectory_id AND j.scorer = "
+                         "'judge' AND j.aggregate = 'min' WHERE t.experiment_id = ? AND v.correct", [exp])
+    for rnd, m in metrics("filter").items():
+        verdicts = [(checker.check_steps(a["prompt"], a["completion"]), a["value"]) for a in answers if a["round"] == rnd]
+        pairs = [(u < s) + 0.5 * (u == s) for ok_u, u in verdicts if ok_u is False for ok_s, s in verdicts if ok_s]
+        assert pairs and m["judge_auc"] == pytest.approx(sum(pairs) / len(pairs)), rnd
+        assert 0.0 <= m["judge_hindsight_catch"] <= 1.0
     m = metrics("train_policy")
     assert m[2]["replay_judged_out"] >= 0  # round 2's PRM re-judged the replay pool (round 1's kept answers)
     assert_plans_read_what_they_declare(cfg, store, tmp_path)

@@ -1,5 +1,6 @@
 """The coevo recipe's plain parts on hand-built fixtures: which trajectories get Monte Carlo labels,
-PRM examples with consensus filtering, PRM score rows, PRM-ranked selection and DPO pairing.
+PRM examples with consensus filtering, PRM score rows, PRM-ranked selection, DPO pairing, and
+how a judge ranks the right answers against the step checker.
 
     .venv/bin/python -m pytest tests/unit/test_coevo_filtering.py -q
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from components.filtering import dpo_pairs, rft_filter
+from components.filtering import dpo_pairs, judge_ranking, rft_filter
 from components.labeling import prm_examples
 from components.scoring import choose_for_mc, step_score_rows
 
@@ -114,3 +115,29 @@ def test_step_score_rows_carry_the_model_and_aggregates():
     assert t1 == {(0, "step"): 0.5, (1, "step"): 1.0, (-1, "min"): 0.5, (-1, "last"): 1.0, (-1, "mean"): 0.75}
     assert {(r["step_index"], r["aggregate"]) for r in rows if r["trajectory_id"] == "t2"} == {
         (-1, "min"), (-1, "last"), (-1, "mean")}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_judge_ranking_matches_counting_every_pair_and_every_threshold(seed):
+    """The AUC against all (unsound, sound) pairs, ties half; the hindsight catch against every threshold
+    that drops at most 5% of the sound answers. Scores on a coarse grid, so ties are common."""
+    import random
+
+    rng = random.Random(seed)
+    ids = [f"t{i}" for i in range(300)]
+    checker = {t: rng.random() < 0.7 for t in ids} | {"no-verdict": None}
+    weakest = {t: round(rng.betavariate(4 if checker[t] else 1.5, 2), 1) for t in ids} | {"no-verdict": 0.0}
+    good = [weakest[t] for t in ids if checker[t]]
+    bad = [weakest[t] for t in ids if not checker[t]]
+    pairs = [(u < g) + 0.5 * (u == g) for u in bad for g in good]
+    best = max(sum(u < th for u in bad) / len(bad) for th in {*good, *bad, 2.0}
+               if sum(g < th for g in good) <= 0.05 * len(good))
+    got = judge_ranking(weakest, checker)
+    assert got["judge_auc"] == pytest.approx(sum(pairs) / len(pairs))
+    assert got["judge_hindsight_catch"] == pytest.approx(best)
+    assert 0.5 < got["judge_auc"] < 1.0 and 0.0 < best < 1.0  # the draw is neither trivial nor perfect
+
+
+def test_judge_ranking_needs_both_kinds_of_right_answer():
+    assert judge_ranking({"a": 0.2, "b": 0.9}, {"a": True, "b": True}) == {}
+    assert judge_ranking({"a": 0.2}, {"a": False, "b": True}) == {}  # the sound one was never judged
