@@ -22,6 +22,7 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   re-judges the replay pool (`filter.judge=round`);
 - `coevo-judge-cap`: coevo-judge whose threshold is calibrated each round on the answers it judges: it drops at
   most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`); `coevo-judge-cap20` at most 20%;
+  `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate;
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -29,7 +30,9 @@ Then, from the store, it prints per arm and round the cumulative tokens, held-ou
 hardest level), the share of right greedy answers whose steps do not check (skipped operations, cancelling
 slips), and the filter's catch rate (the share of right answers with unsound steps that the learned judges
 reject, against the share of sound ones they reject); then the seed-to-seed spread, and last the recovery
-ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens.
+ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
+and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
+threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood).
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
 
@@ -65,9 +68,16 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "coevo-judge-cap": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3"]),
     "coevo-judge-cap20": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round",
                                                        "filter.judge_max_drop=0.2"]),
+    # coevo-judge-cap whose PRM trains at a third of arith-coevo.yaml's learning rate: round 1's judge then ranks the
+    # right answers better (docs/prm-without-checker.md, "How the judges rank").
+    "coevo-judge-cap-lr": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
+                                                        "train_reward.learning_rate=3e-4"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20")
+# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's likelihood.
+RANKERS = ("judge", "prm", "sampler")
+COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
+              "coevo-judge-cap-lr")
 
 
 def _sampler() -> list[str]:
@@ -179,6 +189,52 @@ def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
     return {k: (c, n) for k, (c, n) in kinds.items() if n}
 
 
+def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
+    """Per round, how each learned judge ranks the round's right answers against the checker, whatever its
+    threshold (`judge_ranking`): the round's own PRM (`judge`, filter.judge=round) and the previous round's
+    (`prm`), and with `sampler`, the policy that sampled them, by its log-likelihood of the whole answer."""
+    from components.domains.arith import ArithDomain
+    from components.filtering import judge_ranking
+
+    d = ArithDomain()
+    rows = store.rows("""
+        SELECT t.round, t.trajectory_id, t.prompt, t.completion, t.token_ids, m.uri AS sampler, sc.scorer, sc.value
+        FROM trajectories t JOIN verifications v USING (trajectory_id)
+        JOIN scores sc ON sc.trajectory_id = t.trajectory_id AND sc.aggregate = 'min' AND sc.scorer IN ('judge', 'prm')
+        JOIN stage_runs sr ON sr.stage_run_id = sc.stage_run_id AND sr.round = t.round AND sr.status = 'committed'
+        JOIN models m ON m.model_id = t.policy_model_id
+        WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct""", [name])
+    checker = {r["trajectory_id"]: d.check_steps(r["prompt"], r["completion"]) for r in rows}
+    weakest: dict[tuple[int, str], dict[str, float]] = {}
+    for r in rows:
+        weakest.setdefault((r["round"], r["scorer"]), {})[r["trajectory_id"]] = r["value"]
+    if sampler:
+        for rnd in {r["round"] for r in rows}:
+            answers = {r["trajectory_id"]: r for r in rows if r["round"] == rnd}
+            weakest[(rnd, "sampler")] = _sampler_loglik(list(answers.values()))
+    out: dict[int, dict[str, dict]] = {}
+    for (rnd, who), scores in sorted(weakest.items()):
+        if ranked := judge_ranking(scores, checker):
+            out.setdefault(rnd, {})[who] = ranked
+    return out
+
+
+def _sampler_loglik(answers: list[dict]) -> dict[str, float]:
+    """Each answer's log-likelihood (the sum over its sampled tokens) under the policy that sampled it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = {}
+    for uri in {a["sampler"] for a in answers}:
+        model, tok = AutoModelForCausalLM.from_pretrained(uri).eval(), AutoTokenizer.from_pretrained(uri)
+        for a in (a for a in answers if a["sampler"] == uri):
+            prompt, ids = tok(a["prompt"])["input_ids"], list(a["token_ids"])
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
+            out[a["trajectory_id"]] = float(torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).sum())
+    return out
+
+
 def _pooled(rows: list[dict]) -> tuple[float | None, float | None]:
     """Catch and false-reject rates over all rounds, weighted by the right answers they are shares of."""
     bad = [(r["catch"], r["right_unsound"]) for r in rows if r["catch"] is not None]
@@ -197,7 +253,7 @@ def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(workdir: Path, seeds: list[int]) -> dict:
+def report(workdir: Path, seeds: list[int], sampler: bool = False) -> dict:
     from components.plots import _save, plt
     from components.store import Store
 
@@ -242,6 +298,27 @@ def report(workdir: Path, seeds: list[int]) -> dict:
         kinds = _unsound_kinds(store, [experiment(arm, s) for s in seeds if (arm, s) in data])
         out["unsound_kinds"][arm] = kinds
         print(f"{arm:<14} " + "; ".join(f"{k}: {n} ({c / n:.2f} dropped by a judge)" for k, (c, n) in kinds.items()))
+    print("\n== how the learned judges rank the right answers, whatever their threshold: AUC (an unsound one scored "
+          "below a sound one) and the catch rate of the best threshold in hindsight that drops at most 5% of the "
+          "sound ones ==")
+    print(f"{'arm':<18} {'seed':>4} {'round':>5}  " + "  ".join(f"{w + ' auc/catch':>16}" for w in RANKERS))
+    out["ranking"] = {}
+    for (arm, s), rows in data.items():
+        if arm not in COEVO_ARMS:
+            continue
+        ranked = _ranking(store, experiment(arm, s), sampler)
+        out["ranking"][experiment(arm, s)] = ranked
+        for rnd, by in ranked.items():
+            cells = [f"{by[w]['judge_auc']:.3f}/{by[w]['judge_hindsight_catch']:.3f}" if w in by else "-" for w in RANKERS]
+            print(f"{arm:<18} {s:>4} {rnd:>5}  " + "  ".join(f"{c:>16}" for c in cells))
+    for arm in (a for a in COEVO_ARMS if any((a, s) in data for s in seeds)):
+        # The filter's own judge: the round's PRM where it has one (filter.judge=round), else the previous round's.
+        later = [by.get("judge", by.get("prm")) for s in seeds for rnd, by in
+                 out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 2 and {"judge", "prm"} & set(by)]
+        if later:
+            met = sum(r["judge_hindsight_catch"] >= 0.8 for r in later)
+            print(f"{arm}: from round 2 on, a threshold chosen in hindsight catches >= 0.8 at <= 5% of the sound "
+                  f"dropped in {met} of {len(later)} rounds")
     if data:
         _plot(data, workdir, _save, plt)
     base, ref = final.get("rft-outcome"), final.get("rft-checker")
@@ -326,6 +403,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=sorted(ARMS), default=list(ARMS))
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (one torch thread each)")
     ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
+    ap.add_argument("--sampler-ranking", action="store_true",
+                    help="also rank each round's right answers by their sampler's log-likelihood (loads each policy)")
     args = ap.parse_args()
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -333,7 +412,7 @@ def main() -> None:
         t0 = time.perf_counter()
         run(args.workdir, args.only, args.seeds, args.rounds, args.parallel)
         print(f"runs done in {time.perf_counter() - t0:.0f}s")
-    report(args.workdir, args.seeds)
+    report(args.workdir, args.seeds, args.sampler_ranking)
 
 
 if __name__ == "__main__":
