@@ -22,7 +22,7 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   re-judges the replay pool (`filter.judge=round`);
 - `coevo-judge-cap`: coevo-judge whose threshold is calibrated each round on the answers it judges: it drops at
   most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`); `coevo-judge-cap20` at most 20%;
-  `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate;
+  `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate, `-lr4` at a tenth;
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -72,12 +72,14 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # right answers better (docs/prm-without-checker.md, "How the judges rank").
     "coevo-judge-cap-lr": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                         "train_reward.learning_rate=3e-4"]),
+    "coevo-judge-cap-lr4": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
+                                                         "train_reward.learning_rate=1e-4"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
 # Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's likelihood.
 RANKERS = ("judge", "prm", "sampler")
 COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
-              "coevo-judge-cap-lr")
+              "coevo-judge-cap-lr", "coevo-judge-cap-lr4")
 
 
 def _sampler() -> list[str]:
