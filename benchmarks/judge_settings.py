@@ -82,7 +82,7 @@ def main() -> None:
 
     from components.config import load_config_dict
     from components.domains import get_domain
-    from components.filtering import judge_ranking, judge_threshold
+    from components.filtering import judge_catch_rates, judge_ranking, judge_threshold, step_rejects
     from components.store import Store
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -119,14 +119,15 @@ def main() -> None:
         weakest = dict(duckdb.sql(f"SELECT trajectory_id, value FROM read_parquet('{out}/part-scores-*.parquet') "
                                   "WHERE scorer = 'judge' AND aggregate = 'min'").fetchall())
         ranked = judge_ranking(weakest, answers)
-        t = judge_threshold([weakest[a] for a in answers if a in weakest], cfg.filter.min_step_score or 0.5,
+        # What the run's filter would have dropped with this judge, measured as the filter measures it.
+        t = judge_threshold([weakest[a] for a in answers if a in weakest], cfg.filter.min_step_score,
                             cfg.filter.judge_max_drop)
-        bad = [a for a, ok in answers.items() if ok is False and a in weakest]
-        good = [a for a, ok in answers.items() if ok and a in weakest]
+        rates = judge_catch_rates({a: True for a in answers if a in weakest}, answers,
+                                  step_rejects(list(answers), prm_min=weakest, min_step_score=t))
         name = ", ".join(f"{k}={v}" for k, v in settings.items()) or "as stored"
-        print(f"{name:<40} {ranked['judge_auc']:>6.3f} {ranked['judge_hindsight_catch']:>9.3f} {t:>9.3f} "
-              f"{sum(weakest[a] < t for a in bad) / len(bad):>7.3f} {sum(weakest[a] < t for a in good) / len(good):>13.3f}",
-              flush=True)
+        print(f"{name:<40} {ranked['judge_auc']:>6.3f} {ranked['judge_hindsight_catch']:>9.3f} "
+              f"{'-' if t is None else format(t, '.3f'):>9} {rates.get('judge_catch_rate', float('nan')):>7.3f} "
+              f"{rates.get('judge_false_reject_rate', float('nan')):>13.3f}", flush=True)
 
 
 if __name__ == "__main__":

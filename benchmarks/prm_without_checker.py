@@ -311,7 +311,8 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False) -> dict:
         ranked = _ranking(store, experiment(arm, s), sampler)
         out["ranking"][experiment(arm, s)] = ranked
         for rnd, by in ranked.items():
-            cells = [f"{by[w]['judge_auc']:.3f}/{by[w]['judge_hindsight_catch']:.3f}" if w in by else "-" for w in RANKERS]
+            cells = [f"{by[w]['judge_auc']:.3f}/{by[w]['judge_hindsight_catch']:.3f}" if w in by else "-"
+                     for w in RANKERS]
             print(f"{arm:<18} {s:>4} {rnd:>5}  " + "  ".join(f"{c:>16}" for c in cells))
     for arm in (a for a in COEVO_ARMS if any((a, s) in data for s in seeds)):
         # The filter's own judge: the round's PRM where it has one (filter.judge=round), else the previous round's.

@@ -89,20 +89,21 @@ def step_rejects(
     return out
 
 
-def judge_threshold(weakest: list[float], min_step_score: float, max_drop: float | None) -> float:
+def judge_threshold(weakest: list[float], min_step_score: float | None, max_drop: float | None) -> float | None:
     """The score a right answer's weakest step must reach: `min_step_score`, lowered where more than a `max_drop`
     share (in (0, 1), as filter.judge_max_drop) of `weakest` (the judged right answers' weakest-step scores) would
-    fall below it, to the score that drops at most that share. A judge that finds most of a round's sound answers unfamiliar then drops its
-    least familiar ones, not most of the round; a judge that drops less than the cap is left as it is.
+    fall below it, to the score that drops at most that share. A judge that finds most of a round's sound answers
+    unfamiliar then drops its least familiar ones, not most of the round; a judge that drops less than the cap is
+    left as it is. Without `min_step_score` there is no threshold (None): the judge drops nothing.
 
     >>> judge_threshold([0.1, 0.2, 0.3, 0.4, 0.9], 0.5, 0.4)    # 4 of 5 below 0.5: the cap keeps 2
     0.3
     >>> judge_threshold([0.1, 0.6, 0.7, 0.8, 0.9], 0.5, 0.4)    # 1 of 5 below 0.5: under the cap
     0.5
-    >>> judge_threshold([], 0.5, 0.4), judge_threshold([0.1, 0.2], 0.5, None)
-    (0.5, 0.5)
+    >>> judge_threshold([], 0.5, 0.4), judge_threshold([0.1, 0.2], 0.5, None), judge_threshold([0.1], None, 0.4)
+    (0.5, 0.5, None)
     """
-    if max_drop is None or not weakest:
+    if min_step_score is None or max_drop is None or not weakest:
         return min_step_score
     ranked = sorted(weakest)
     return min(min_step_score, ranked[int(max_drop * len(ranked))])  # at most that many score strictly below it

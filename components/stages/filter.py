@@ -64,8 +64,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     prm_min = {s["trajectory_id"]: s["value"] for s in judge if s["scorer"] == judge_scorer and s["aggregate"] == "min"}
     ids = [t["trajectory_id"] for t in trajs]
     weakest = {t: prm_min[t] for t in ids if correct.get(t) and t in prm_min}  # the judge's view of the right answers
-    threshold = f.min_step_score if f.min_step_score is None else judge_threshold(  # calibrated on what it judges
-        list(weakest.values()), f.min_step_score, f.judge_max_drop)
+    threshold = judge_threshold(list(weakest.values()), f.min_step_score, f.judge_max_drop)  # calibrated on them
     # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=threshold)
     rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, prm_min=prm_min,
@@ -77,7 +76,8 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if threshold is not None and prm_min:
         metrics["judge_min_step_score"] = threshold
     if has_checker:  # evaluation only: the checker measures the learned judges, whether or not it filters
-        metrics |= judge_catch_rates(correct, checker, judged) | judge_ranking(weakest, checker)
+        metrics |= judge_catch_rates(correct, checker, judged)
+        metrics |= judge_ranking(weakest, checker)
     if f.dpo_pairs:
         eligible = {tid: tid not in rejects for tid in ids}
         pairs = dpo_pairs(trajs, correct, scores, experiment=spec.experiment, round=spec.round,

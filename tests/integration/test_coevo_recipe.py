@@ -424,12 +424,13 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     assert bound and all(below(rnd, cfg.filter.min_step_score) > cap[rnd] for rnd in bound)
     # How the judge ranked each round's right answers, whatever its threshold, as the domain's checker sees them:
     # the chance that an unsound one scored below a sound one, counted here pair by pair.
-    checker = ArithDomain()
+    domain = ArithDomain()
     answers = store.rows("SELECT t.round, t.prompt, t.completion, j.value FROM trajectories t JOIN verifications v "
                          "USING (trajectory_id) JOIN scores j ON j.trajectory_id = t.trajectory_id AND j.scorer = "
                          "'judge' AND j.aggregate = 'min' WHERE t.experiment_id = ? AND v.correct", [exp])
     for rnd, m in metrics("filter").items():
-        verdicts = [(checker.check_steps(a["prompt"], a["completion"]), a["value"]) for a in answers if a["round"] == rnd]
+        verdicts = [(domain.check_steps(a["prompt"], a["completion"]), a["value"])
+                     for a in answers if a["round"] == rnd]
         pairs = [(u < s) + 0.5 * (u == s) for ok_u, u in verdicts if ok_u is False for ok_s, s in verdicts if ok_s]
         assert pairs and m["judge_auc"] == pytest.approx(sum(pairs) / len(pairs)), rnd
         assert 0.0 <= m["judge_hindsight_catch"] <= 1.0
