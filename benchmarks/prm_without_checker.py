@@ -32,7 +32,8 @@ slips), and the filter's catch rate (the share of right answers with unsound ste
 reject, against the share of sound ones they reject); then the seed-to-seed spread, and last the recovery
 ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
 and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
-threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood).
+threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood,
+alone and summed with the judge's score, and what each would catch dropping as many as the judge did).
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
 
@@ -76,8 +77,9 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                                                          "train_reward.learning_rate=1e-4"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's likelihood.
-RANKERS = ("judge", "prm", "sampler")
+# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's likelihood,
+# and the filter's judge and the sampler together (the sum of their z-scores within the round).
+RANKERS = ("judge", "prm", "sampler", "both")
 COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
               "coevo-judge-cap-lr", "coevo-judge-cap-lr4")
 
@@ -194,7 +196,9 @@ def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
 def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
     """Per round, how each learned judge ranks the round's right answers against the checker, whatever its
     threshold (`judge_ranking`): the round's own PRM (`judge`, filter.judge=round) and the previous round's
-    (`prm`), and with `sampler`, the policy that sampled them, by its log-likelihood of the whole answer."""
+    (`prm`), and with `sampler`, the policy that sampled them, by its log-likelihood of the whole answer, and
+    `both`: the filter's judge plus the sampler (z-scores summed). Each ranker also gets `at_count`: the catch and
+    false-reject rates had it dropped as many right answers as the filter's judge did, its lowest first."""
     from components.domains.arith import ArithDomain
     from components.filtering import judge_ranking
 
@@ -206,6 +210,11 @@ def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
         JOIN stage_runs sr ON sr.stage_run_id = sc.stage_run_id AND sr.round = t.round AND sr.status = 'committed'
         JOIN models m ON m.model_id = t.policy_model_id
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct""", [name])
+    dropped = {r: n for r, n in store.query("""
+        SELECT t.round, count(*) FROM trajectories t JOIN verifications v USING (trajectory_id)
+        JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
+        WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct
+          AND (sel.reason LIKE 'prm:%' OR sel.reason LIKE 'mc_hard:%') GROUP BY ALL""", [name])[1]}
     checker = {r["trajectory_id"]: d.check_steps(r["prompt"], r["completion"]) for r in rows}
     weakest: dict[tuple[int, str], dict[str, float]] = {}
     for r in rows:
@@ -213,12 +222,28 @@ def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
     if sampler:
         for rnd in {r["round"] for r in rows}:
             answers = {r["trajectory_id"]: r for r in rows if r["round"] == rnd}
-            weakest[(rnd, "sampler")] = _sampler_loglik(list(answers.values()))
+            weakest[(rnd, "sampler")] = ll = _sampler_loglik(list(answers.values()))
+            own = weakest.get((rnd, "judge"), weakest.get((rnd, "prm")))
+            if own:
+                zj, zl = _z(own), _z({t: ll[t] for t in own})
+                weakest[(rnd, "both")] = {t: zj[t] + zl[t] for t in own}
     out: dict[int, dict[str, dict]] = {}
     for (rnd, who), scores in sorted(weakest.items()):
         if ranked := judge_ranking(scores, checker):
-            out.setdefault(rnd, {})[who] = ranked
+            lowest = sorted(scores, key=scores.get)[:dropped.get(rnd, 0)]
+            at = {k: sum(checker[t] is want for t in lowest) / n if (n := sum(checker[t] is want for t in scores))
+                  else None for k, want in (("catch", False), ("false_reject", True))}
+            out.setdefault(rnd, {})[who] = ranked | {"at_count": at, "dropped": len(lowest),
+                                                     "unsound": sum(checker[t] is False for t in scores),
+                                                     "sound": sum(checker[t] is True for t in scores)}
     return out
+
+
+def _z(scores: dict[str, float]) -> dict[str, float]:
+    """Each score's distance from their mean in standard deviations (all 0 when they are equal)."""
+    m = mean(scores.values())
+    sd = (sum((v - m) ** 2 for v in scores.values()) / len(scores)) ** 0.5 or 1.0
+    return {t: (v - m) / sd for t, v in scores.items()}
 
 
 def _sampler_loglik(answers: list[dict]) -> dict[str, float]:
@@ -322,6 +347,16 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False) -> dict:
             met = sum(r["judge_hindsight_catch"] >= 0.8 for r in later)
             print(f"{arm}: from round 2 on, a threshold chosen in hindsight catches >= 0.8 at <= 5% of the sound "
                   f"dropped in {met} of {len(later)} rounds")
+        if sampler:
+            # Each ranker dropping as many right answers as the filter's judge did, pooled over rounds 1 and on.
+            runs = [by for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 1]
+            for w in (w for w in RANKERS if any(w in by for by in runs)):
+                at = [by[w] for by in runs if w in by]
+                bad, good = sum(r["unsound"] for r in at), sum(r["sound"] for r in at)
+                catch = sum((r["at_count"]["catch"] or 0) * r["unsound"] for r in at) / bad if bad else None
+                fr = sum((r["at_count"]["false_reject"] or 0) * r["sound"] for r in at) / good if good else None
+                print(f"{arm}: {w} dropping the judge's count, rounds 1 on ({len(at)} rounds): catch {_f(catch)}, "
+                      f"sound dropped {_f(fr)}")
     if data:
         _plot(data, workdir, _save, plt)
     base, ref = final.get("rft-outcome"), final.get("rft-checker")
