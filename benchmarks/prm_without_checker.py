@@ -33,7 +33,8 @@ reject, against the share of sound ones they reject); then the seed-to-seed spre
 ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
 and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
 threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood,
-alone and summed with the judge's score, and what each would catch dropping as many as the judge did).
+alone and summed with the judge's score, `--mc-ranking` Monte Carlo rollouts from the answers' own prefixes, and
+what each would catch dropping as many as the judge did).
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
 
@@ -78,8 +79,9 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
 # Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's likelihood,
-# and the filter's judge and the sampler together (the sum of their z-scores within the round).
-RANKERS = ("judge", "prm", "sampler", "both")
+# the filter's judge and the sampler together (the sum of their z-scores within the round), and the answer's own
+# Monte Carlo values (its weakest prefix's share of the sampler's rollouts that reach the answer).
+RANKERS = ("judge", "prm", "sampler", "both", "mc")
 COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
               "coevo-judge-cap-lr", "coevo-judge-cap-lr4")
 
@@ -193,19 +195,22 @@ def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
     return {k: (c, n) for k, (c, n) in kinds.items() if n}
 
 
-def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
+def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dict[str, dict]]:
     """Per round, how each learned judge ranks the round's right answers against the checker, whatever its
     threshold (`judge_ranking`): the round's own PRM (`judge`, filter.judge=round) and the previous round's
     (`prm`), and with `sampler`, the policy that sampled them, by its log-likelihood of the whole answer, and
-    `both`: the filter's judge plus the sampler (z-scores summed). Each ranker also gets `at_count`: the catch and
-    false-reject rates had it dropped as many right answers as the filter's judge did, its lowest first."""
+    `both`: the filter's judge plus the sampler (z-scores summed); with `mc`, Monte Carlo labels of the right
+    answers' own prefixes, as score labels wrong ones (arith-coevo.yaml's k, temperature and length), ranked by the
+    weakest. Each ranker also gets `at_count`: the catch and false-reject rates had it dropped as many right
+    answers as the filter's judge did, its lowest first."""
     from components.domains.arith import ArithDomain
     from components.filtering import judge_ranking
 
     d = ArithDomain()
     rows = store.rows("""
-        SELECT t.round, t.trajectory_id, t.prompt, t.completion, t.token_ids, m.uri AS sampler, sc.scorer, sc.value
-        FROM trajectories t JOIN verifications v USING (trajectory_id)
+        SELECT t.round, t.trajectory_id, t.prompt, t.completion, t.token_ids, m.uri AS sampler, sc.scorer, sc.value,
+               p.answer AS answer_ref
+        FROM trajectories t JOIN verifications v USING (trajectory_id) JOIN problems p USING (problem_id)
         JOIN scores sc ON sc.trajectory_id = t.trajectory_id AND sc.aggregate = 'min' AND sc.scorer IN ('judge', 'prm')
         JOIN stage_runs sr ON sr.stage_run_id = sc.stage_run_id AND sr.round = t.round AND sr.status = 'committed'
         JOIN models m ON m.model_id = t.policy_model_id
@@ -227,6 +232,10 @@ def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
             if own:
                 zj, zl = _z(own), _z({t: ll[t] for t in own})
                 weakest[(rnd, "both")] = {t: zj[t] + zl[t] for t in own}
+    if mc:
+        for rnd in {r["round"] for r in rows}:
+            weakest[(rnd, "mc")] = _mc_weakest(store, list({r["trajectory_id"]: r for r in rows if r["round"] == rnd}
+                                                           .values()), rnd)
     out: dict[int, dict[str, dict]] = {}
     for (rnd, who), scores in sorted(weakest.items()):
         if ranked := judge_ranking(scores, checker):
@@ -236,6 +245,33 @@ def _ranking(store, name: str, sampler: bool) -> dict[int, dict[str, dict]]:
             out.setdefault(rnd, {})[who] = ranked | {"at_count": at, "dropped": len(lowest),
                                                      "unsound": sum(checker[t] is False for t in scores),
                                                      "sound": sum(checker[t] is True for t in scores)}
+    return out
+
+
+def _mc_weakest(store, answers: list[dict], rnd: int) -> dict[str, float]:
+    """Each answer's weakest Monte Carlo value over its own non-final prefixes (1.0 for a one-step answer): the
+    share of k rollouts from the prefix, by the policy that sampled it, that reach the reference answer."""
+    from components.config import load_config
+    from components.domains.arith import ArithDomain
+    from components.labeling import mc_step_labels
+    from components.models.backends import get_backend
+
+    cfg = load_config(REPO / "configs" / "arith-coevo.yaml")
+    sc = cfg.score
+    steps: dict[str, list[str]] = {}
+    for r in store.rows("SELECT trajectory_id, text FROM steps WHERE trajectory_id IN (SELECT unnest(?)) "
+                        "ORDER BY trajectory_id, step_index", [[a["trajectory_id"] for a in answers]]):
+        steps.setdefault(r["trajectory_id"], []).append(r["text"])
+    out = {a["trajectory_id"]: 1.0 for a in answers}
+    for uri in {a["sampler"] for a in answers}:
+        items = [{"trajectory_id": a["trajectory_id"], "prompt": a["prompt"], "steps": steps[a["trajectory_id"]],
+                  "answer_ref": a["answer_ref"]} for a in answers if a["sampler"] == uri]
+        labels, _ = mc_step_labels(ArithDomain(), get_backend("hf", uri, progress=False), items, k=sc.mc_rollouts,
+                                   temperature=sc.mc_temperature, seed=rnd,
+                                   max_new_tokens=sc.mc_max_new_tokens or cfg.generate.max_new_tokens)
+        for lab in labels:
+            if lab["source"] == "mc_soft" and lab["num_rollouts"]:
+                out[lab["trajectory_id"]] = min(out[lab["trajectory_id"]], lab["value"])
     return out
 
 
@@ -280,7 +316,7 @@ def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(workdir: Path, seeds: list[int], sampler: bool = False) -> dict:
+def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = False) -> dict:
     from components.plots import _save, plt
     from components.store import Store
 
@@ -333,7 +369,7 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False) -> dict:
     for (arm, s), rows in data.items():
         if arm not in COEVO_ARMS:
             continue
-        ranked = _ranking(store, experiment(arm, s), sampler)
+        ranked = _ranking(store, experiment(arm, s), sampler, mc)
         out["ranking"][experiment(arm, s)] = ranked
         for rnd, by in ranked.items():
             cells = [f"{by[w]['judge_auc']:.3f}/{by[w]['judge_hindsight_catch']:.3f}" if w in by else "-"
@@ -347,7 +383,7 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False) -> dict:
             met = sum(r["judge_hindsight_catch"] >= 0.8 for r in later)
             print(f"{arm}: from round 2 on, a threshold chosen in hindsight catches >= 0.8 at <= 5% of the sound "
                   f"dropped in {met} of {len(later)} rounds")
-        if sampler:
+        if sampler or mc:
             # Each ranker dropping as many right answers as the filter's judge did, pooled over rounds 1 and on.
             runs = [by for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 1]
             for w in (w for w in RANKERS if any(w in by for by in runs)):
@@ -443,6 +479,8 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
     ap.add_argument("--sampler-ranking", action="store_true",
                     help="also rank each round's right answers by their sampler's log-likelihood (loads each policy)")
+    ap.add_argument("--mc-ranking", action="store_true",
+                    help="also rank them by Monte Carlo rollouts from their own prefixes (loads each policy)")
     args = ap.parse_args()
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -450,7 +488,7 @@ def main() -> None:
         t0 = time.perf_counter()
         run(args.workdir, args.only, args.seeds, args.rounds, args.parallel)
         print(f"runs done in {time.perf_counter() - t0:.0f}s")
-    report(args.workdir, args.seeds, args.sampler_ranking)
+    report(args.workdir, args.seeds, args.sampler_ranking, args.mc_ranking)
 
 
 if __name__ == "__main__":
