@@ -388,9 +388,9 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
             runs = [by for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 1]
             for w in (w for w in RANKERS if any(w in by for by in runs)):
                 at = [by[w] for by in runs if w in by]
-                bad, good = sum(r["unsound"] for r in at), sum(r["sound"] for r in at)
-                catch = sum((r["at_count"]["catch"] or 0) * r["unsound"] for r in at) / bad if bad else None
-                fr = sum((r["at_count"]["false_reject"] or 0) * r["sound"] for r in at) / good if good else None
+                catch, fr = _pooled([{"catch": r["at_count"]["catch"], "right_unsound": r["unsound"],
+                                      "false_reject": r["at_count"]["false_reject"],
+                                      "right_answers": r["unsound"] + r["sound"]} for r in at])
                 print(f"{arm}: {w} dropping the judge's count, rounds 1 on ({len(at)} rounds): catch {_f(catch)}, "
                       f"sound dropped {_f(fr)}")
     if data:
