@@ -73,6 +73,10 @@ class CodeError(ValueError):
     """A tasks file that cannot be used: names the file and the row."""
 
 
+# A test input with a word of each length from 1 to 13 letters, so that each k of a template counting or keeping
+# the words longer than k (or of at least k letters) gives other expectations.
+LADDER = "'a an the four quick orange rainbow elephant wonderful strawberry magnificent grandmothers extraordinary'"
+
 # (signature, task text with {params}, reference body with {params}, test inputs) per level.
 TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
     1: [("f(x)", "returns x multiplied by {k} plus {c}", "return x * {k} + {c}", ["0", "1", "7", "-3"]),
@@ -96,7 +100,7 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
          "return ''.join(ch for ch in reversed(s) if ch.lower() not in 'aeiou')", ["''", "'hello'", "'Audio Lab'"]),
         ("f(s)", "returns how many words of the string s (split on spaces) are longer than {k} letters",
          "return sum(1 for w in s.split() if len(w) > {k})", ["''", "'a bb ccc dddd'", "'the quick brown fox'",
-                                                              "'internationalization is a long word'"]),
+                                                              LADDER]),
         ("f(s)", "returns s with every {k}th character (counting from 1) in upper case",
          "return ''.join(ch.upper() if (i + 1) % {k} == 0 else ch for i, ch in enumerate(s))",
          ["''", "'abcdefgh'", "'hello world'"]),
@@ -107,7 +111,7 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
         ("f(s)", "returns the words of the string s (split on spaces) that have at least {k} letters, joined by "
          "single spaces",
          "return ' '.join(w for w in s.split() if len(w) >= {k})", ["''", "'a bb ccc dddd eeeee'",
-                                                                   "'extraordinary ideas need evidence'"]),
+                                                                   "'extraordinary ideas need evidence'", LADDER]),
         ("f(s)", "returns the string s repeated {k} times with a '-' between the copies",
          "return '-'.join([s] * {k})", ["''", "'ab'", "'x y'"]),
         ("f(s)", "returns s cut to its first {m} characters followed by '...' when it is longer than {m}, else s",
@@ -171,6 +175,23 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
 }
 
 
+# Parameter ranges wider than the default k 2-9 and m 3-15, for the templates of levels 3 and 4 with one parameter.
+# A held-out task carries a value its template shows in no training task, so with 8 values and 4 of them held out
+# the policy had to write numbers it had seen in no solution (docs/envs.md, "Two level-4 demonstrations a
+# template"). Each range stops where two of its values would give the same expectations on every test
+# (`test_each_value_of_a_wide_range_changes_what_the_tests_expect`).
+RANGES: dict[str, dict[str, tuple[int, int]]] = {
+    TASKS[3][1][1]: {"k": (2, 12)},  # words longer than k letters: LADDER's longest has 13
+    TASKS[3][2][1]: {"k": (2, 11)},  # every kth character: 'hello world' has 11
+    TASKS[3][3][1]: {"k": (2, 25)},  # shifted k places
+    TASKS[3][4][1]: {"k": (2, 13)},  # words of at least k letters
+    TASKS[3][5][1]: {"k": (2, 30)},  # repeated k times
+    TASKS[3][6][1]: {"m": (2, 29)},  # cut to m characters: the longest test has 30
+    TASKS[4][3][1]: {"m": (3, 57)},  # running sums modulo m: the sums reach 58, and 29 and 58 would agree
+    TASKS[4][5][1]: {"k": (2, 40)},  # differences times k
+}
+
+
 def answer_code(text: str) -> str:
     blocks = _PY_BLOCK.findall(text)
     return (blocks[-1] if blocks else text).strip()
@@ -227,9 +248,16 @@ class CodeEnv(FileProblems):
 
     def _draw(self, rng: random.Random, level: int, fixed: tuple[str, str, str, list[str]] | None = None) -> Problem:
         """A task of `level` with parameters drawn from `rng`: its template drawn too, or `fixed`."""
-        sig, text, body, inputs = rng.choice(TASKS[level]) if fixed is None else fixed
-        params = {"k": rng.randint(2, 9), "c": rng.randint(1, 40), "m": rng.randint(3, 15)}
-        params["hi"] = params["k"] + params["c"]  # an upper bound above k
+        template = rng.choice(TASKS[level]) if fixed is None else fixed
+        k, m = RANGES.get(template[1], {}).get("k", (2, 9)), RANGES.get(template[1], {}).get("m", (3, 15))
+        params = {"k": rng.randint(*k), "c": rng.randint(1, 40), "m": rng.randint(*m)}
+        return self.task(level, template, params)
+
+    def task(self, level: int, template: tuple[str, str, str, list[str]], params: dict[str, int]) -> Problem:
+        """The task of `template` with `params` (k, c, m): its prompt, and tests whose expectations come from the
+        template's reference."""
+        sig, text, body, inputs = template
+        params = {**params, "hi": params["k"] + params["c"]}  # an upper bound above k
         solution = f"def {sig}:\n    {body.format(**params)}"
         ns: dict[str, Any] = {}
         exec(solution, ns)  # our own reference, never the model's: its outputs are the tests' expectations
