@@ -175,7 +175,9 @@ TASKS: dict[int, list[tuple[str, str, str, list[str]]]] = {
 }
 
 
-# Parameter ranges wider than the default k 2-9 and m 3-15, for the templates of levels 3 and 4 with one parameter.
+DEFAULT_RANGES: dict[str, tuple[int, int]] = {"k": (2, 9), "m": (3, 15)}  # c is 1-40 in every template
+
+# Parameter ranges wider than DEFAULT_RANGES, for the templates of levels 3 and 4 with one parameter.
 # A held-out task carries a value its template shows in no training task, so with 8 values and 4 of them held out
 # the policy had to write numbers it had seen in no solution (docs/envs.md, "Two level-4 demonstrations a
 # template"). Each range stops where two of its values would give the same expectations on every test
@@ -249,8 +251,8 @@ class CodeEnv(FileProblems):
     def _draw(self, rng: random.Random, level: int, fixed: tuple[str, str, str, list[str]] | None = None) -> Problem:
         """A task of `level` with parameters drawn from `rng`: its template drawn too, or `fixed`."""
         template = rng.choice(TASKS[level]) if fixed is None else fixed
-        k, m = RANGES.get(template[1], {}).get("k", (2, 9)), RANGES.get(template[1], {}).get("m", (3, 15))
-        params = {"k": rng.randint(*k), "c": rng.randint(1, 40), "m": rng.randint(*m)}
+        ranges = DEFAULT_RANGES | RANGES.get(template[1], {})
+        params = {"k": rng.randint(*ranges["k"]), "c": rng.randint(1, 40), "m": rng.randint(*ranges["m"])}
         return self.task(level, template, params)
 
     def task(self, level: int, template: tuple[str, str, str, list[str]], params: dict[str, int]) -> Problem:

@@ -685,7 +685,7 @@ def test_each_value_of_a_wide_range_changes_what_the_tests_expect():
     """A template with a wide parameter range (`RANGES`) gets tests that tell every value of it apart: with k 5-18
     on the old test strings, a solution written for k = 5 passed every task up to k = 18. Each range also names a
     template that exists, and is wider than the default it replaces."""
-    from components.envs.code import RANGES, TASKS
+    from components.envs.code import DEFAULT_RANGES, RANGES, TASKS
 
     env = CodeEnv(isolation="none")
     templates = {t[1]: (level, t) for level, ts in TASKS.items() for t in ts}
@@ -693,7 +693,7 @@ def test_each_value_of_a_wide_range_changes_what_the_tests_expect():
     for text, ranges in RANGES.items():
         level, template = templates[text]
         for name, (lo, hi) in ranges.items():
-            assert hi - lo + 1 > {"k": 8, "m": 13}[name], (text, name)
+            assert hi - lo > DEFAULT_RANGES[name][1] - DEFAULT_RANGES[name][0], (text, name)
             expected = {}
             for value in range(lo, hi + 1):
                 tests = env.task(level, template, {"k": 5, "c": 7, "m": 11, name: value}).meta["tests"]
