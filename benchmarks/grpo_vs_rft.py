@@ -9,6 +9,10 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr2e-4`, `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at 2e-4, at rft's learning rate, then at
   rft's with 64 problems a level;
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
+- any `grpo-lr<rate>[-cosine][-p<N>]` (with `--arms`): that rate, constant or decayed, and N problems a level.
+
+`--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
+bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
 
 Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
 reports. Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,18 +35,34 @@ sys.path.insert(0, str(REPO))
 ARMS = {
     "rft": ("configs/micro.yaml", []),
     "grpo": ("configs/micro-grpo.yaml", []),
-    "grpo-lr1e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=1e-4"]),
-    # rft's SFT takes 150 steps at 5e-4 a round; grpo as shipped about 20 at 2e-5. These give grpo rft's step size,
-    # then also twice the problems a level (still about 0.7x rft's sampled tokens a round).
-    "grpo-lr2e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=2e-4"]),
-    "grpo-lr5e-4": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4"]),
+    # rft's SFT takes 150 steps at 5e-4 a round; grpo as shipped about 20 at 2e-5. This gives grpo rft's step size
+    # and twice the problems a level (still about 0.7x rft's sampled tokens a round); `grpo-lr<rate>` the rate alone.
     "grpo-lr5e-4-wide": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=5e-4",
                                                       "generate.problems_per_level=64"]),
-    # each round's rate decayed to 0, as rft's SFT rounds end (docs/grpo.md, "Why")
-    "grpo-lr1e-4-cosine": ("configs/micro-grpo.yaml", ["train_policy.grpo.learning_rate=1e-4",
-                                                        "train_policy.grpo.lr_scheduler=cosine"]),
 }
 HARDEST = 3
+
+
+def arm_overrides(arm: str) -> tuple[str, list[str]]:
+    """An arm's config and overrides: a named arm, or `grpo-lr<rate>[-cosine][-p<N>]`: the rate, decayed to 0 over
+    each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), and N problems a level a round.
+
+    >>> arm_overrides("grpo-lr1e-4-cosine")
+    ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
+    >>> arm_overrides("grpo-lr1e-5-p96")[1]
+    ['train_policy.grpo.learning_rate=1e-5', 'generate.problems_per_level=96']
+    >>> arm_overrides("grpo-fast")
+    Traceback (most recent call last):
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide or grpo-lr<rate>[-cosine][-p<N>]
+    """
+    if arm in ARMS:
+        return ARMS[arm]
+    m = re.fullmatch(r"grpo-lr([0-9.]+(?:e-?[0-9]+)?)(-cosine)?(?:-p([0-9]+))?", arm)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)} or grpo-lr<rate>[-cosine][-p<N>]")
+    return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m[1]}",
+                                       *(["train_policy.grpo.lr_scheduler=cosine"] if m[2] else []),
+                                       *([f"generate.problems_per_level={m[3]}"] if m[3] else [])]
 
 
 def _run(config: str, overrides: list[str], log: Path) -> None:
@@ -72,17 +93,28 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=["rft", "grpo", "grpo-lr1e-4"],
+    ap.add_argument("--arms", nargs="+", default=["rft", "grpo", "grpo-lr1e-4"],
                     help="rft always runs first: every other arm starts from its round-0 policy")
+    ap.add_argument("--tiny", type=int, nargs=4, metavar=("HIDDEN", "LAYERS", "HEADS", "WIDTH"),
+                    help="the policy's size for every arm (default: micro's 128 2 4 384)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="an override for every arm (repeatable)")
     args = ap.parse_args()
+    for arm in args.arms:
+        try:
+            arm_overrides(arm)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--arms: {e}")
+    size = [] if args.tiny is None else [f"policy.tiny.{k}={v}" for k, v in zip(
+        ("hidden_size", "num_layers", "num_heads", "intermediate_size"), args.tiny)]
     from components.store import Store
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     report = {}
     for seed in args.seeds:
-        base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}"]
+        base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}", *size, *args.overrides]
         for arm in ["rft", *[a for a in args.arms if a != "rft"]]:
-            config, extra = ARMS[arm]
+            config, extra = arm_overrides(arm)
             exp = f"bench-{arm}-s{seed}"
             start = []
             if arm != "rft":
