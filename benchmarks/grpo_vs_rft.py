@@ -65,6 +65,12 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
                                        *([f"generate.problems_per_level={m[3]}"] if m[3] else [])]
 
 
+def _arm(name: str) -> str:
+    """`--arms`'s type: a name `arm_overrides` knows, or argparse's error."""
+    arm_overrides(name)
+    return name
+
+
 def _run(config: str, overrides: list[str], log: Path) -> None:
     cmd = [str(REPO / ".venv" / "bin" / "coevo"), "run", "--config", str(REPO / config)]
     for o in overrides:
@@ -93,18 +99,13 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--arms", nargs="+", default=["rft", "grpo", "grpo-lr1e-4"],
+    ap.add_argument("--arms", nargs="+", type=_arm, default=["rft", "grpo", "grpo-lr1e-4"],
                     help="rft always runs first: every other arm starts from its round-0 policy")
     ap.add_argument("--tiny", type=int, nargs=4, metavar=("HIDDEN", "LAYERS", "HEADS", "WIDTH"),
                     help="the policy's size for every arm (default: micro's 128 2 4 384)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every arm (repeatable)")
     args = ap.parse_args()
-    for arm in args.arms:
-        try:
-            arm_overrides(arm)
-        except argparse.ArgumentTypeError as e:
-            ap.error(f"--arms: {e}")
     size = [] if args.tiny is None else [f"policy.tiny.{k}={v}" for k, v in zip(
         ("hidden_size", "num_layers", "num_heads", "intermediate_size"), args.tiny)]
     from components.store import Store
