@@ -29,16 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from grpo_vs_rft import HARDEST, _rows, _run  # noqa: E402
+from grpo_vs_rft import HARDEST, SHAPING, _rows, _run  # noqa: E402
 
 CONFIG = "configs/micro-grpo.yaml"
-STEP = ["train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
-ARMS = {
-    "outcome": [],
-    "implicit-step": ["score.reward_model=implicit", *STEP],
-    "prm-step": ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=100",
-                 "score.reward_model=prm", *STEP],
-}
+ARMS = {"outcome": [], "implicit-step": SHAPING["implicit"], "prm-step": SHAPING["prm"]}
 
 
 # Where a round's wall time goes: each stage's job time by kind, and the rest (Prefect's tasks, starting each

@@ -9,7 +9,9 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr2e-4`, `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at 2e-4, at rft's learning rate, then at
   rft's with 64 problems a level;
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
-- any `grpo-lr<rate>[-cosine][-p<N>]` (with `--arms`): that rate, constant or decayed, and N problems a level.
+- any `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N problems
+  a level, and step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), which the
+  report sets against the same arm without it.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -41,28 +43,52 @@ ARMS = {
                                                       "generate.problems_per_level=64"]),
 }
 HARDEST = 3
+# Step credit at weight 0.5 (benchmarks/grpo_shaping.py): from the implicit PRM, or from a PRM grpo's rounds train
+# on Monte Carlo step labels (k=2), whose labelling rollouts count in the arm's tokens.
+STEP = ["train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
+SHAPING = {
+    "implicit": ["score.reward_model=implicit", *STEP],
+    "prm": ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=100", "score.reward_model=prm",
+            *STEP],
+}
+ARM = re.compile(r"grpo-lr([0-9.]+(?:e-?[0-9]+)?)(-cosine)?(?:-p([0-9]+))?(?:-(implicit|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
-    """An arm's config and overrides: a named arm, or `grpo-lr<rate>[-cosine][-p<N>]`: the rate, decayed to 0 over
-    each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), and N problems a level a round.
+    """An arm's config and overrides: a named arm, or `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]`: the rate,
+    decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round,
+    and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
     >>> arm_overrides("grpo-lr1e-5-p96")[1]
     ['train_policy.grpo.learning_rate=1e-5', 'generate.problems_per_level=96']
+    >>> arm_overrides("grpo-lr1e-5-p96-implicit")[1][2:]
+    ['score.reward_model=implicit', 'train_policy.grpo.credit=step', 'train_policy.grpo.shaping_weight=0.5']
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide or grpo-lr<rate>[-cosine][-p<N>]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide or grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
-    m = re.fullmatch(r"grpo-lr([0-9.]+(?:e-?[0-9]+)?)(-cosine)?(?:-p([0-9]+))?", arm)
+    m = ARM.fullmatch(arm)
     if m is None:
-        raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)} or grpo-lr<rate>[-cosine][-p<N>]")
+        raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)} or "
+                                         "grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m[1]}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m[2] else []),
-                                       *([f"generate.problems_per_level={m[3]}"] if m[3] else [])]
+                                       *([f"generate.problems_per_level={m[3]}"] if m[3] else []),
+                                       *(SHAPING[m[4]] if m[4] else [])]
+
+
+def unshaped(arm: str) -> str | None:
+    """The arm a step-credit arm is measured against: itself without the credit.
+
+    >>> unshaped("grpo-lr1e-5-p96-prm"), unshaped("grpo-lr1e-5-p96")
+    ('grpo-lr1e-5-p96', None)
+    """
+    m = ARM.fullmatch(arm)
+    return arm[: m.start(4) - 1] if m and m[4] else None
 
 
 def _arm(name: str) -> str:
@@ -136,6 +162,15 @@ def main() -> None:
             hit = next((r for r in report[arm][seed] if r["round"] > 0 and r["hardest"] >= target), None)
             share = "never" if hit is None else f"{hit['tokens'] / budget:.2f}"
             print(f"{arm:12s} seed {seed}: rft's final {target:.3f} at {budget} tokens; {arm}: {share}")
+    shaped = [a for a in report if unshaped(a) in report]
+    if shaped:
+        print(f"\nstep credit: final level-{HARDEST} accuracy minus the same arm's without it, per seed, and its tokens "
+              "(sampled + labelling) as a multiple (goal: +0.05 beyond the seeds' spread)")
+    for arm in shaped:
+        base = report[unshaped(arm)]
+        print(f"{arm:12s} " + "  ".join(
+            f"seed {s}: {report[arm][s][-1]['hardest'] - base[s][-1]['hardest']:+.3f} at "
+            f"{report[arm][s][-1]['budget'] / max(base[s][-1]['budget'], 1):.2f}x" for s in args.seeds))
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
