@@ -9,6 +9,8 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr2e-4`, `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at 2e-4, at rft's learning rate, then at
   rft's with 64 problems a level;
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
+- any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
+  is reported against every rft arm;
 - any `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N problems
   a level, and step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), which the
   report sets against the same arm without it.
@@ -55,9 +57,9 @@ ARM = re.compile(r"grpo-lr([0-9.]+(?:e-?[0-9]+)?)(-cosine)?(?:-p([0-9]+))?(?:-(i
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
-    """An arm's config and overrides: a named arm, or `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]`: the rate,
-    decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round,
-    and step credit.
+    """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
+    `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]`: the rate, decayed to 0 over each round's steps as rft's SFT
+    rounds end (docs/grpo.md, "Why"), N problems a level a round, and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -65,15 +67,19 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['train_policy.grpo.learning_rate=1e-5', 'generate.problems_per_level=96']
     >>> arm_overrides("grpo-lr1e-5-p96-implicit")[1][2:]
     ['score.reward_model=implicit', 'train_policy.grpo.credit=step', 'train_policy.grpo.shaping_weight=0.5']
+    >>> arm_overrides("rft-lr1e-5")
+    ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide or grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
+    if m := re.fullmatch(r"rft-lr([0-9.]+(?:e-?[0-9]+)?)", arm):
+        return "configs/micro.yaml", [f"train_policy.learning_rate={m[1]}"]
     m = ARM.fullmatch(arm)
     if m is None:
-        raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)} or "
+        raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m[1]}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m[2] else []),
@@ -155,13 +161,14 @@ def main() -> None:
         for seed, rows in seeds.items():
             print(f"{arm:12s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['tokens']})" for r in rows))
     print("\nthe issue's figure: tokens to first reach rft's final level-3 accuracy, as a share of rft's (goal <= 0.7)")
-    for arm in [a for a in report if a != "rft"]:
-        for seed in args.seeds:
-            rft = report["rft"][seed]
-            target, budget = rft[-1]["hardest"], rft[-1]["tokens"]
-            hit = next((r for r in report[arm][seed] if r["round"] > 0 and r["hardest"] >= target), None)
-            share = "never" if hit is None else f"{hit['tokens'] / budget:.2f}"
-            print(f"{arm:12s} seed {seed}: rft's final {target:.3f} at {budget} tokens; {arm}: {share}")
+    for base in [a for a in report if a.startswith("rft")]:
+        for arm in [a for a in report if not a.startswith("rft")]:
+            for seed in args.seeds:
+                rft = report[base][seed]
+                target, budget = rft[-1]["hardest"], rft[-1]["tokens"]
+                hit = next((r for r in report[arm][seed] if r["round"] > 0 and r["hardest"] >= target), None)
+                share = "never" if hit is None else f"{hit['tokens'] / budget:.2f}"
+                print(f"{arm:12s} seed {seed}: {base}'s final {target:.3f} at {budget} tokens; {arm}: {share}")
     shaped = [a for a in report if unshaped(a) in report]
     if shaped:
         print(f"\nstep credit: final level-{HARDEST} accuracy minus the same arm's without it, per seed, and its tokens "
