@@ -1,6 +1,6 @@
 """Does recipe grpo reach rft's accuracy on fewer generated tokens? Arith at micro scale, the arms side by side.
 
-    .venv/bin/python benchmarks/grpo_vs_rft.py --workdir /tmp/grpo-bench --seeds 0 1 --rounds 4
+    .venv/bin/python benchmarks/grpo_vs_rft.py --workdir /tmp/grpo-bench --seeds 0 1 --rounds 4 --heldout 1000
 
 Per seed, `rft` runs configs/micro.yaml (its bootstrap, then `--rounds` rounds); every other arm starts from that
 run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start from the same model:
@@ -19,9 +19,14 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
 
 Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
-reports. Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
+reports (`--report-only` runs nothing, not even the runs' servers). Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
 greedy accuracy on level 3 (the hardest) by round, and the issue's figure: the tokens grpo needed to first reach
 rft's final level-3 accuracy, as a share of rft's (goal: at most 0.7), or "never". Written to `--out` (JSON) too.
+
+The level-3 test set holds 60 problems, so one problem is 1.7 points. `--heldout N` evaluates every arm's policy of
+every round again, greedily, on N more level-3 problems that no trajectory in the store has (not the test set's,
+not a demonstration's, not a sample's), and reports the same figures on them too. Each model's answers are kept in
+`<workdir>/heldout.json`, so a second call evaluates only what is new.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ ARMS = {
                                                       "generate.problems_per_level=64"]),
 }
 HARDEST = 3
+HARDEST_TEST = 60  # micro's test_size
 # Step credit at weight 0.5 (benchmarks/grpo_shaping.py): from the implicit PRM, or from a PRM grpo's rounds train
 # on Monte Carlo step labels (k=2), whose labelling rollouts count in the arm's tokens.
 STEP = ["train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
@@ -125,6 +131,78 @@ def _rows(store, experiment: str) -> list[dict]:
     return out
 
 
+def heldout_problems(store, n: int) -> list:
+    """`n` level-3 problems of micro's arith domain that are the prompt of no trajectory in `store` (its test set,
+    demonstrations and samples, every experiment) and lie outside the domain's test set, drawn with a seed no
+    run uses. Which ones depends on what the store holds, so later arms can only remove problems."""
+    from components.domains import get_domain
+
+    domain = get_domain("arith", max_level=HARDEST, digits=1, test_size=60)
+    _, rows = store.query("SELECT DISTINCT prompt FROM trajectories WHERE level = ?", [HARDEST])
+    seen = {r[0] for r in rows}
+    fresh = [p for p in domain.sample_problems(HARDEST, n + len(seen), seed=-1) if p.prompt not in seen][:n]
+    if len(fresh) < n:
+        raise ValueError(f"--heldout {n}: only {len(fresh)} level-{HARDEST} problems are left outside the store")
+    return fresh
+
+
+def heldout_accuracy(store, workdir: Path, experiment: str, problems: list) -> dict[int, float]:
+    """Greedy accuracy of each round's evaluated policy on `problems`, by round. Every model's answers are cached
+    in `workdir/heldout.json` by model id and prompt, so only new pairs are generated."""
+    from transformers.utils import logging as hf_logging
+
+    from components.domains.arith import verify
+    from components.models.backends import HFBackend
+
+    hf_logging.disable_progress_bar()  # a bar per model load
+    cache_path = workdir / "heldout.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
+    _, rows = store.query("SELECT DISTINCT e.round, e.model_id, m.uri FROM evaluations e JOIN models m USING "
+                          "(model_id) WHERE e.experiment_id = ? ORDER BY e.round", [experiment])
+    out = {}
+    for rnd, model_id, uri in rows:
+        done = cache.setdefault(model_id, {})
+        todo = [p for p in problems if p.prompt not in done]
+        if todo:
+            backend = HFBackend(uri, progress=False)
+            samples = backend.generate([p.prompt for p in todo], n=1, temperature=0.0, top_p=1.0,
+                                       max_new_tokens=48, seed=0)
+            right = verify([s[0].text for s in samples], [p.answer for p in todo])
+            done.update({p.prompt: r for p, r in zip(todo, right, strict=True)})
+            tmp = cache_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(cache))
+            tmp.replace(cache_path)  # a cut run leaves the last whole cache
+        out[rnd] = sum(done[p.prompt] for p in problems) / len(problems)
+    return out
+
+
+def _report(report: dict, seeds: list[int], key: str, what: str) -> None:
+    """The accuracy rows and the issue's figure, on `key` (the test set's `hardest` or the `heldout` set)."""
+    print(f"\nlevel-{HARDEST} greedy accuracy by round, {what} (cumulative generated tokens)")
+    for arm, by_seed in report.items():
+        for seed, rows in by_seed.items():
+            print(f"{arm:12s} seed {seed}: " + "  ".join(f"r{r['round']} {r[key]:.3f} ({r['tokens']})" for r in rows))
+    print(f"\nthe issue's figure, {what}: tokens to first reach rft's final level-{HARDEST} accuracy, as a share of "
+          "rft's (goal <= 0.7)")
+    for base in [a for a in report if a.startswith("rft")]:
+        for arm in [a for a in report if not a.startswith("rft")]:
+            for seed in seeds:
+                rft = report[base][seed]
+                target, budget = rft[-1][key], rft[-1]["tokens"]
+                hit = next((r for r in report[arm][seed] if r["round"] > 0 and r[key] >= target), None)
+                share = "never" if hit is None else f"{hit['tokens'] / budget:.2f}"
+                print(f"{arm:12s} seed {seed}: {base}'s final {target:.3f} at {budget} tokens; {arm}: {share}")
+    shaped = [a for a in report if unshaped(a) in report]
+    if shaped:
+        print(f"\nstep credit, {what}: final level-{HARDEST} accuracy minus the same arm's without it, per seed, and "
+              "its tokens (sampled + labelling) as a multiple (goal: +0.05 beyond the seeds' spread)")
+    for arm in shaped:
+        base = report[unshaped(arm)]
+        print(f"{arm:12s} " + "  ".join(
+            f"seed {s}: {report[arm][s][-1][key] - base[s][-1][key]:+.3f} at "
+            f"{report[arm][s][-1]['budget'] / max(base[s][-1]['budget'], 1):.2f}x" for s in seeds))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/grpo-bench"))
@@ -137,6 +215,11 @@ def main() -> None:
                     help="the policy's size for every arm (default: micro's 128 2 4 384)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every arm (repeatable)")
+    ap.add_argument("--heldout", type=int, default=0, metavar="N",
+                    help=f"evaluate every round's policy again on N level-{HARDEST} problems no run saw")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: report the arms' committed rounds (a second call without it only reports "
+                         "too, but starts each run's server)")
     args = ap.parse_args()
     size = [] if args.tiny is None else [f"policy.tiny.{k}={v}" for k, v in zip(
         ("hidden_size", "num_layers", "num_heads", "intermediate_size"), args.tiny)]
@@ -150,34 +233,28 @@ def main() -> None:
             config, extra = arm_overrides(arm)
             exp = f"bench-{arm}-s{seed}"
             start = []
-            if arm != "rft":
+            if arm != "rft" and not args.report_only:
                 model = Store(args.workdir / "store").committed_model(f"bench-rft-s{seed}", 0, "policy")
                 start = [f"policy.model={model['uri']}", "bootstrap.steps=0"]
-            print(f"[bench] seed {seed}: {arm}", flush=True)
-            _run(config, [*base, f"experiment={exp}", *extra, *start], args.workdir / f"{exp}.log")
+            if args.report_only:
+                if not Store(args.workdir / "store").committed_model(exp, args.rounds, "policy"):
+                    sys.exit(f"--report-only: {exp} has no committed round {args.rounds} in {args.workdir}; "
+                             "run it first (without --report-only)")
+            else:
+                print(f"[bench] seed {seed}: {arm}", flush=True)
+                _run(config, [*base, f"experiment={exp}", *extra, *start], args.workdir / f"{exp}.log")
             report.setdefault(arm, {})[seed] = _rows(Store(args.workdir / "store"), exp)
-    print(f"\nlevel-{HARDEST} greedy accuracy by round (cumulative generated tokens)")
-    for arm, seeds in report.items():
-        for seed, rows in seeds.items():
-            print(f"{arm:12s} seed {seed}: " + "  ".join(f"r{r['round']} {r['hardest']:.3f} ({r['tokens']})" for r in rows))
-    print("\nthe issue's figure: tokens to first reach rft's final level-3 accuracy, as a share of rft's (goal <= 0.7)")
-    for base in [a for a in report if a.startswith("rft")]:
-        for arm in [a for a in report if not a.startswith("rft")]:
-            for seed in args.seeds:
-                rft = report[base][seed]
-                target, budget = rft[-1]["hardest"], rft[-1]["tokens"]
-                hit = next((r for r in report[arm][seed] if r["round"] > 0 and r["hardest"] >= target), None)
-                share = "never" if hit is None else f"{hit['tokens'] / budget:.2f}"
-                print(f"{arm:12s} seed {seed}: {base}'s final {target:.3f} at {budget} tokens; {arm}: {share}")
-    shaped = [a for a in report if unshaped(a) in report]
-    if shaped:
-        print(f"\nstep credit: final level-{HARDEST} accuracy minus the same arm's without it, per seed, and its tokens "
-              "(sampled + labelling) as a multiple (goal: +0.05 beyond the seeds' spread)")
-    for arm in shaped:
-        base = report[unshaped(arm)]
-        print(f"{arm:12s} " + "  ".join(
-            f"seed {s}: {report[arm][s][-1]['hardest'] - base[s][-1]['hardest']:+.3f} at "
-            f"{report[arm][s][-1]['budget'] / max(base[s][-1]['budget'], 1):.2f}x" for s in args.seeds))
+    _report(report, args.seeds, "hardest", f"on the test set ({HARDEST_TEST} problems)")
+    if args.heldout:
+        store = Store(args.workdir / "store")
+        problems = heldout_problems(store, args.heldout)
+        for arm, by_seed in report.items():
+            for seed, rows in by_seed.items():
+                print(f"[bench] held out: {arm} seed {seed}", flush=True)
+                acc = heldout_accuracy(store, args.workdir, f"bench-{arm}-s{seed}", problems)
+                for r in rows:
+                    r["heldout"] = acc[r["round"]]
+        _report(report, args.seeds, "heldout", f"on {len(problems)} problems held out from every run")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
