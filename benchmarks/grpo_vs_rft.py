@@ -19,9 +19,10 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
 
 Each is a `coevo run` in its own process, one at a time; committed stages are skipped, so a second call only
-reports (`--report-only` runs nothing, not even the runs' servers). Then, from the store (`v_round_summary`), per arm and seed: cumulative generated tokens and held-out
-greedy accuracy on level 3 (the hardest) by round, and the issue's figure: the tokens grpo needed to first reach
-rft's final level-3 accuracy, as a share of rft's (goal: at most 0.7), or "never". Written to `--out` (JSON) too.
+reports (`--report-only` runs nothing, not even the runs' servers). Then, from the store (`v_round_summary`), per
+arm and seed: cumulative generated tokens and held-out greedy accuracy on level 3 (the hardest) by round, and the
+issue's figure: the tokens grpo needed to first reach rft's final level-3 accuracy, as a share of rft's (goal: at
+most 0.7), or "never". Written to `--out` (JSON) too.
 
 The level-3 test set holds 60 problems, so one problem is 1.7 points. `--heldout N` evaluates every arm's policy of
 every round again, greedily, on N more level-3 problems that no trajectory in the store has (not the test set's,
@@ -137,7 +138,7 @@ def heldout_problems(store, n: int) -> list:
     run uses. Which ones depends on what the store holds, so later arms can only remove problems."""
     from components.domains import get_domain
 
-    domain = get_domain("arith", max_level=HARDEST, digits=1, test_size=60)
+    domain = get_domain("arith", max_level=HARDEST, digits=1, test_size=HARDEST_TEST)
     _, rows = store.query("SELECT DISTINCT prompt FROM trajectories WHERE level = ?", [HARDEST])
     seen = {r[0] for r in rows}
     fresh = [p for p in domain.sample_problems(HARDEST, n + len(seen), seed=-1) if p.prompt not in seen][:n]
