@@ -51,7 +51,6 @@ ARMS = {
                                                       "generate.problems_per_level=64"]),
 }
 HARDEST = 3
-HARDEST_TEST = 60  # micro's test_size
 # Step credit at weight 0.5 (benchmarks/grpo_shaping.py): from the implicit PRM, or from a PRM grpo's rounds train
 # on Monte Carlo step labels (k=2), whose labelling rollouts count in the arm's tokens.
 STEP = ["train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
@@ -132,49 +131,49 @@ def _rows(store, experiment: str) -> list[dict]:
     return out
 
 
-def heldout_problems(store, n: int) -> list:
-    """`n` level-3 problems of micro's arith domain that are the prompt of no trajectory in `store` (its test set,
-    demonstrations and samples, every experiment) and lie outside the domain's test set, drawn with a seed no
-    run uses. Which ones depends on what the store holds, so later arms can only remove problems."""
-    from components.domains import get_domain
+class HeldOut:
+    """`n` level-3 problems of `domain` (the arms': configs/micro.yaml's, with `--set`) that are the prompt of no
+    trajectory in `store` (its test set, demonstrations and samples, every experiment) and lie outside the domain's
+    test set, drawn with a seed no run uses; which ones depends on what the store holds, so later arms can only
+    remove problems. Every model's greedy answers to them are cached in `<workdir>/heldout.json` by model id and
+    prompt, so a second call generates only new pairs."""
 
-    domain = get_domain("arith", max_level=HARDEST, digits=1, test_size=HARDEST_TEST)
-    _, rows = store.query("SELECT DISTINCT prompt FROM trajectories WHERE level = ?", [HARDEST])
-    seen = {r[0] for r in rows}
-    fresh = [p for p in domain.sample_problems(HARDEST, n + len(seen), seed=-1) if p.prompt not in seen][:n]
-    if len(fresh) < n:
-        raise ValueError(f"--heldout {n}: only {len(fresh)} level-{HARDEST} problems are left outside the store")
-    return fresh
+    def __init__(self, domain, max_new_tokens: int, store, workdir: Path, n: int):
+        self.domain, self.max_new_tokens = domain, max_new_tokens
+        _, rows = store.query("SELECT DISTINCT prompt FROM trajectories WHERE level = ?", [HARDEST])
+        seen = {r[0] for r in rows}
+        pool = self.domain.sample_problems(HARDEST, n + len(seen), seed=-1)
+        self.problems = [p for p in pool if p.prompt not in seen][:n]
+        if len(self.problems) < n:
+            raise ValueError(f"--heldout {n}: only {len(self.problems)} level-{HARDEST} problems are left outside "
+                             "the store")
+        self.path = workdir / "heldout.json"
+        self.cache = json.loads(self.path.read_text()) if self.path.exists() else {}
 
+    def accuracy(self, store, experiment: str) -> dict[int, float]:
+        """Greedy accuracy of each round's evaluated policy of `experiment` on the problems, by round."""
+        from transformers.utils import logging as hf_logging
 
-def heldout_accuracy(store, workdir: Path, experiment: str, problems: list) -> dict[int, float]:
-    """Greedy accuracy of each round's evaluated policy on `problems`, by round. Every model's answers are cached
-    in `workdir/heldout.json` by model id and prompt, so only new pairs are generated."""
-    from transformers.utils import logging as hf_logging
+        from components.models.backends import HFBackend
 
-    from components.domains.arith import verify
-    from components.models.backends import HFBackend
-
-    hf_logging.disable_progress_bar()  # a bar per model load
-    cache_path = workdir / "heldout.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    _, rows = store.query("SELECT DISTINCT e.round, e.model_id, m.uri FROM evaluations e JOIN models m USING "
-                          "(model_id) WHERE e.experiment_id = ? ORDER BY e.round", [experiment])
-    out = {}
-    for rnd, model_id, uri in rows:
-        done = cache.setdefault(model_id, {})
-        todo = [p for p in problems if p.prompt not in done]
-        if todo:
-            backend = HFBackend(uri, progress=False)
-            samples = backend.generate([p.prompt for p in todo], n=1, temperature=0.0, top_p=1.0,
-                                       max_new_tokens=48, seed=0)
-            right = verify([s[0].text for s in samples], [p.answer for p in todo])
-            done.update({p.prompt: r for p, r in zip(todo, right, strict=True)})
-            tmp = cache_path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cache))
-            tmp.replace(cache_path)  # a cut run leaves the last whole cache
-        out[rnd] = sum(done[p.prompt] for p in problems) / len(problems)
-    return out
+        hf_logging.disable_progress_bar()  # a bar per model load
+        _, rows = store.query("SELECT DISTINCT e.round, e.model_id, m.uri FROM evaluations e JOIN models m USING "
+                              "(model_id) WHERE e.experiment_id = ? ORDER BY e.round", [experiment])
+        out = {}
+        for rnd, model_id, uri in rows:
+            done = self.cache.setdefault(model_id, {})
+            todo = [p for p in self.problems if p.prompt not in done]
+            if todo:
+                samples = HFBackend(uri, progress=False).generate(
+                    [p.prompt for p in todo], n=1, temperature=0.0, top_p=1.0, max_new_tokens=self.max_new_tokens,
+                    seed=0)
+                right = self.domain.verify([s[0].text for s in samples], [p.answer for p in todo])
+                done.update({p.prompt: r for p, r in zip(todo, right, strict=True)})
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self.cache))
+                tmp.replace(self.path)  # a cut run leaves the last whole cache
+            out[rnd] = sum(done[p.prompt] for p in self.problems) / len(self.problems)
+        return out
 
 
 def _report(report: dict, seeds: list[int], key: str, what: str) -> None:
@@ -224,38 +223,41 @@ def main() -> None:
     args = ap.parse_args()
     size = [] if args.tiny is None else [f"policy.tiny.{k}={v}" for k, v in zip(
         ("hidden_size", "num_layers", "num_heads", "intermediate_size"), args.tiny)]
+    from components.config import load_config
+    from components.domains import get_domain
     from components.store import Store
 
     args.workdir.mkdir(parents=True, exist_ok=True)
+    store = Store(args.workdir / "store")
     report = {}
     for seed in args.seeds:
         base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}", *size, *args.overrides]
         for arm in ["rft", *[a for a in args.arms if a != "rft"]]:
             config, extra = arm_overrides(arm)
             exp = f"bench-{arm}-s{seed}"
-            start = []
-            if arm != "rft" and not args.report_only:
-                model = Store(args.workdir / "store").committed_model(f"bench-rft-s{seed}", 0, "policy")
-                start = [f"policy.model={model['uri']}", "bootstrap.steps=0"]
             if args.report_only:
-                if not Store(args.workdir / "store").committed_model(exp, args.rounds, "policy"):
+                if not store.committed_model(exp, args.rounds, "policy"):
                     sys.exit(f"--report-only: {exp} has no committed round {args.rounds} in {args.workdir}; "
                              "run it first (without --report-only)")
             else:
+                start = [] if arm == "rft" else [
+                    f"policy.model={store.committed_model(f'bench-rft-s{seed}', 0, 'policy')['uri']}",
+                    "bootstrap.steps=0"]
                 print(f"[bench] seed {seed}: {arm}", flush=True)
                 _run(config, [*base, f"experiment={exp}", *extra, *start], args.workdir / f"{exp}.log")
-            report.setdefault(arm, {})[seed] = _rows(Store(args.workdir / "store"), exp)
-    _report(report, args.seeds, "hardest", f"on the test set ({HARDEST_TEST} problems)")
+            report.setdefault(arm, {})[seed] = _rows(store, exp)
+    cfg = load_config(REPO / "configs" / "micro.yaml", args.overrides)
+    domain = get_domain(cfg.domain.name, **cfg.domain.options)
+    _report(report, args.seeds, "hardest", f"on the test set ({len(domain.test_set(HARDEST))} problems)")
     if args.heldout:
-        store = Store(args.workdir / "store")
-        problems = heldout_problems(store, args.heldout)
+        heldout = HeldOut(domain, cfg.evaluate.max_new_tokens, store, args.workdir, args.heldout)
         for arm, by_seed in report.items():
             for seed, rows in by_seed.items():
                 print(f"[bench] held out: {arm} seed {seed}", flush=True)
-                acc = heldout_accuracy(store, args.workdir, f"bench-{arm}-s{seed}", problems)
+                acc = heldout.accuracy(store, f"bench-{arm}-s{seed}")
                 for r in rows:
                     r["heldout"] = acc[r["round"]]
-        _report(report, args.seeds, "heldout", f"on {len(problems)} problems held out from every run")
+        _report(report, args.seeds, "heldout", f"on {len(heldout.problems)} problems held out from every run")
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
