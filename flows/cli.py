@@ -5,7 +5,7 @@
     coevo query "SELECT round, count(*) FROM trajectories GROUP BY 1"
     coevo rerun arith-default --round 2 --stage score [--downstream]
     coevo resume arith-default
-    coevo build-model workdir/standin --domain arith [--arch qwen2|llama] [--size small|tiny]
+    coevo build-model workdir/standin --domain arith [--arch qwen2|llama] [--size small|mini|micro|tiny]
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def build_model(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="Override in that YAML, e.g. --set "
                                                                     "domain.options.test_size=10.")] = None,
     arch: Annotated[str, typer.Option(help="qwen2 or llama.")] = "qwen2",
-    size: Annotated[str, typer.Option(help="small (~3M parameters), micro (~0.5M, micro.yaml's size) or tiny "
-                                                "(~0.1M, for tests).")] = "small",
+    size: Annotated[str, typer.Option(help="small (~3M parameters), mini (~1.3M), micro (~0.5M, micro.yaml's "
+                                                "size) or tiny (~0.1M, for tests).")] = "small",
     seed: Annotated[int, typer.Option(help="Seed of the random init.")] = 0,
     per_level: Annotated[int, typer.Option(min=1, help="Problems per level in the tokenizer's text.")] = 500,
     positions: Annotated[Optional[int], typer.Option(min=16, help="Context length in tokens, where the size's "

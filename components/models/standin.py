@@ -1,7 +1,7 @@
 """A realistic stand-in for a hub model, built locally: a byte-level BPE tokenizer trained on a domain's
 text, a ChatML chat template, and a randomly initialised Qwen2 (or Llama) saved like any hub checkpoint.
 
-    coevo build-model workdir/standin --domain arith [--arch qwen2|llama] [--size small|tiny]
+    coevo build-model workdir/standin --domain arith [--arch qwen2|llama] [--size small|mini|micro|tiny]
 
     path = build_standin("workdir/standin", domain_texts("arith"), arch="qwen2", seed=0)
     AutoTokenizer.from_pretrained(path); AutoModelForCausalLM.from_pretrained(path)
@@ -96,10 +96,12 @@ class StandinConfig:
             raise ValueError(f"vocab_size {self.vocab_size} is below the 256 bytes plus {len(SPECIAL)} special tokens")
 
 
-# `coevo build-model --size`: small ~3M parameters on arith; micro, the width and depth of configs/micro.yaml's
-# char model (the learning test on the real-model path); tiny ~0.1M (seconds to build, for tests).
+# `coevo build-model --size`: small ~3M parameters on arith; mini ~1.3M, between it and micro (heads of 32, as
+# vLLM's CPU attention needs); micro, the width and depth of configs/micro.yaml's char model (the learning test on
+# the real-model path); tiny ~0.1M (seconds to build, for tests).
 SIZES = {
     "small": StandinConfig(),
+    "mini": StandinConfig(hidden_size=192, num_layers=3, num_heads=6, num_kv_heads=2, intermediate_size=528),
     "micro": StandinConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384,
                            max_position_embeddings=256),
     "tiny": StandinConfig(vocab_size=400, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
