@@ -97,6 +97,17 @@ def test_parameter_count(qwen2):
     assert 50_000 < n < 200_000  # tiny: 2 layers of width 64 over ~265 tokens, head tied
 
 
+def test_sizes_grow_in_order_and_suit_vllm():
+    """micro < mini < small in width and depth; every size but tiny has heads of at least 32 dimensions, the least
+    vLLM's CPU attention takes (the stand-ins the vLLM tests and runs load)."""
+    order = [SIZES[s] for s in ("tiny", "micro", "mini", "small")]
+    assert [c.hidden_size for c in order] == sorted({c.hidden_size for c in order})
+    assert [c.num_layers for c in order] == sorted(c.num_layers for c in order)
+    for name, cfg in SIZES.items():
+        if name != "tiny":
+            assert cfg.hidden_size // cfg.num_heads >= 32, name
+
+
 def test_same_seed_same_bytes(qwen2, tmp_path):
     again, other = _build(tmp_path / "again", seed=0), _build(tmp_path / "other", seed=1)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
