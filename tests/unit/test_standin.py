@@ -102,7 +102,7 @@ def test_sizes_grow_in_order_and_suit_vllm():
     vLLM's CPU attention takes (the stand-ins the vLLM tests and runs load)."""
     order = [SIZES[s] for s in ("tiny", "micro", "mini", "small")]
     assert [c.hidden_size for c in order] == sorted({c.hidden_size for c in order})
-    assert [c.num_layers for c in order] == sorted(c.num_layers for c in order)
+    assert [c.num_layers for c in order[1:]] == sorted({c.num_layers for c in order[1:]})  # tiny's depth is micro's
     for name, cfg in SIZES.items():
         if name != "tiny":
             assert cfg.hidden_size // cfg.num_heads >= 32, name
