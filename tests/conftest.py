@@ -129,8 +129,12 @@ def migrated_prefect_db() -> Path:
             home = Path(tempfile.mkdtemp(prefix="coevo-prefect-db-"))
             atexit.register(shutil.rmtree, home, ignore_errors=True)
             env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-            subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], check=True,
-                           env=env | TELEMETRY_OFF | {"PREFECT_HOME": str(home)}, capture_output=True, timeout=300)
+            p = subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                               env=env | TELEMETRY_OFF | {"PREFECT_HOME": str(home)}, capture_output=True, text=True,
+                               timeout=300)
+            if p.returncode != 0 or not (home / "prefect.db").is_file():
+                raise AssertionError(f"`prefect server database upgrade -y` in {home} exited {p.returncode}:\n"
+                                     f"{p.stdout[-2000:]}{p.stderr[-3000:]}")
             _PREFECT_DB.append(home / "prefect.db")
         return _PREFECT_DB[0]
 

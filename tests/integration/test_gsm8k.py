@@ -1,6 +1,6 @@
 """configs/gsm8k.yaml, 2 rounds, through the real Prefect flow, MLflow and DuckDB, on a stand-in model built
 with `coevo build-model` (BPE tokenizer trained on GSM8K, a chat template, a random Qwen2): the mechanics
-of the real-model path, not learning (a CPU cannot teach a 0.5M-parameter model GSM8K).
+of the real-model path, not learning (a CPU cannot teach a 0.65M-parameter model GSM8K).
 
     .venv/bin/python -m pytest tests/integration/test_gsm8k.py -q
 """
