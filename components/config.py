@@ -363,6 +363,13 @@ class GRPOSection(_Section):
     epsilon: float = Field(0.2, gt=0, description="The importance ratio's clip (PPO), low side.")
     epsilon_high: float | None = Field(None, gt=0, description="The clip's high side where it differs (DAPO: 0.28).")
     beta: float = Field(0.0, ge=0, description="KL penalty to the reference; 0 loads no reference.")
+    ptx_weight: float = Field(
+        0.0, ge=0, allow_inf_nan=False, exclude_if=lambda v: v == 0.0,
+        description="PPO-ptx (InstructGPT): each forward pass adds this weight times the NLL of ptx_batch_size "
+                    "round-0 demonstrations to the policy-gradient loss, which anchors the policy as rft's replay "
+                    "does (docs/grpo.md). 0: the rollouts alone.")
+    ptx_batch_size: int = Field(8, ge=1, exclude_if=lambda v: v == 8,
+                                description="Demonstrations per forward pass (one group's) under ptx_weight > 0.")
     reference: Literal["previous", "initial"] | None = Field(
         None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
     shaping_weight: float = Field(

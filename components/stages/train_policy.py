@@ -35,6 +35,8 @@ def plan(p: Planner) -> Inputs:
             inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
         p.read("generate")
         p.read("filter")
+        if tp.grpo.ptx_weight > 0:  # PPO-ptx: the round-0 demonstrations beside the rollouts
+            p.read("bootstrap", 0)
         return inputs
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
@@ -147,7 +149,7 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
     """TRL's GRPO loss on the groups the filter kept, with the advantages it stored (components/training/grpo.py)."""
     from components.envs.rollout import is_agent
     from components.models.backends import PromptEncoder
-    from components.training.grpo import episode_rollout, step_token_advantages
+    from components.training.grpo import episode_rollout, step_token_advantages, text_ptx_examples
 
     cfg = spec.cfg()
     gen = cfg.generate
@@ -182,7 +184,10 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
         if per_turn:
             log("train_policy", f"turn credit: {per_turn} of {len(rollouts)} episodes train each turn on its own "
                                 "advantage")
-        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0) | {"turn_credit_rollouts": per_turn}
+        tids, demos = _ptx_demos(spec)
+        ptx = [_masked(*chat.encode(m["messages"], add_generation_prompt=False)) for m in demos]
+        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0, ptx=(tids, ptx)) | {
+            "turn_credit_rollouts": per_turn}
     prompts = sorted({t["prompt"] for t in trajs})
     prompt_ids = dict(zip(prompts, encoder.encode(prompts), strict=True))
     # credit=step: each step's advantage (filter), spread over the tokens that spell the step
@@ -212,12 +217,29 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
                          "completion_ids": list(ids), "reward": a["reward"], "advantage": advantage})
     if step_adv:
         log("train_policy", f"step credit: {len(step_adv)} of {len(rollouts)} rollouts train on per-token advantages")
-    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized) | (
+    tids, demos = _ptx_demos(spec)
+    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized,
+                       ptx=(tids, text_ptx_examples(encoder, demos) if demos else [])) | (
         {"step_credit_rollouts": len(step_adv)} if step_adv else {})
 
 
+def _ptx_demos(spec: StageSpec) -> tuple[list[str], list[dict[str, Any]]]:
+    """train_policy.grpo.ptx_weight > 0: the round-0 demonstrations' ids and what SFT reads of them ({"prompt",
+    "completion"}, or an episode's {"messages"}), in a fixed order; none otherwise."""
+    if spec.cfg().train_policy.grpo.ptx_weight <= 0:
+        return [], []
+    demos = selected(spec, 0, demos_only=True)
+    tids = sorted(demos)
+    return tids, sft_examples(spec, [demos[t] for t in tids])
+
+
+def _masked(ids: list[int], mask: list[int]) -> dict[str, list[int]]:
+    """An episode as a PPO-ptx example: its ids, the loss on the assistant's tokens alone."""
+    return {"input_ids": list(ids), "labels": [i if m else -100 for i, m in zip(ids, mask, strict=True)]}
+
+
 def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir, rollouts: list[dict[str, Any]],
-                retokenized: int) -> dict[str, float]:
+                retokenized: int, ptx: tuple[list[str], list[dict[str, list[int]]]]) -> dict[str, float]:
     from components.training.grpo import GRPOParams, train_grpo
 
     cfg = spec.cfg()
@@ -227,18 +249,21 @@ def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir,
                         num_iterations=g.num_iterations, learning_rate=g.learning_rate,
                         lr_scheduler=g.lr_scheduler, loss_type=g.loss_type,
                         beta=g.beta, epsilon=g.epsilon, epsilon_high=g.epsilon_high,
+                        ptx_weight=g.ptx_weight, ptx_batch_size=g.ptx_batch_size,
                         temperature=gen.temperature or 1.0, seed=spec.seed,
                         **{k: settings[k] for k in ("prompt_format", "dtype", "lora", "gradient_checkpointing",
                                                     "setting")})
     log("train_policy", f"GRPO ({g.loss_type}) on {len(rollouts)} rollouts in {len(rollouts) // params.num_generations} "
                         f"groups, {g.groups_per_step} groups per step, {g.num_iterations} pass(es), from {inp.init_uri}"
-                        + (f", beta {g.beta} to {inp.dpo_reference_model_id}" if g.beta > 0 else ""))
+                        + (f", beta {g.beta} to {inp.dpo_reference_model_id}" if g.beta > 0 else "")
+                        + (f", ptx {g.ptx_weight:g} on {len(ptx[1])} demonstrations" if g.ptx_weight > 0 else ""))
     metrics, logprobs = train_grpo(inp.init_uri, inp.dpo_reference_uri, rollouts, str(model_dir), params,
-                                   progress_callback=train_progress("train_policy"))
+                                   progress_callback=train_progress("train_policy"), ptx_examples=ptx[1])
     mid = model_id(spec)
     write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, len(rollouts))],
           model_inputs=[{"model_id": mid, "trajectory_id": r["trajectory_id"], "source_round": spec.round,
-                         "use": "grpo"} for r in rollouts],
+                         "use": "grpo"} for r in rollouts]
+          + [{"model_id": mid, "trajectory_id": t, "source_round": 0, "use": "ptx"} for t in ptx[0]],
           rollout_logprobs=[{"model_id": mid} | r for r in logprobs])
     return {k: float(v) for k, v in metrics.items()} | {"retokenized": retokenized}
 

@@ -18,6 +18,12 @@ entropy and clip statistics it logs) is used as it is. Two pieces are ours, each
   starts from the policy generate used), so they are the sampler's, as verl recomputes them rather than trusting
   an engine's (vLLM reports log-probabilities before temperature).
 
+With `ptx_weight` > 0, each forward pass also takes the next `ptx_batch_size` of `ptx_examples` (the round-0
+demonstrations: already tokenized, `labels` -100 where no loss falls) and adds `ptx_weight` times their mean token
+NLL to TRL's loss: InstructGPT's PPO-ptx (Ouyang et al. 2022), a third piece of ours, since GRPOTrainer trains on
+its rollouts alone. rft's SFT replays the demonstrations beside a round's samples; this is the same anchor for a
+policy-gradient round (docs/grpo.md, "Why").
+
 Optimizer step k trains on rollouts k steps stale. Each rollout's summed log-probability under the policy that
 sampled it and under the trained one is returned, for the store: what the round's updates moved.
 """
@@ -58,6 +64,8 @@ class GRPOParams:
     temperature: float = 1.0             # the sampler's: log-probabilities are of logits / temperature
     seed: int = 0
     logging_steps: int = 1
+    ptx_weight: float = 0.0              # PPO-ptx: the demonstrations' NLL, times this, added to every forward pass
+    ptx_batch_size: int = 8              # demonstrations per forward pass (one group's)
     setting: str = "train_policy.grpo"   # the config section errors name
     prompt_format: PromptFormat = RAW
     dtype: str = "float32"
@@ -82,6 +90,66 @@ class GRPOParams:
             raise ValueError(f"{where}.loss_type must be one of {', '.join(LOSS_TYPES)}; got {self.loss_type!r}")
         if not self.learning_rate > 0 or not self.beta >= 0 or not self.epsilon > 0 or not self.temperature > 0:
             raise ValueError(f"{where}: learning_rate, epsilon and temperature must be > 0 and beta >= 0")
+        if not (math.isfinite(self.ptx_weight) and self.ptx_weight >= 0) or self.ptx_batch_size < 1:
+            raise ValueError(f"{where}: ptx_weight must be a finite number >= 0 and ptx_batch_size >= 1; got "
+                             f"{self.ptx_weight!r} and {self.ptx_batch_size!r}")
+
+
+class PtxBatches:
+    """The demonstrations PPO-ptx adds to each forward pass, `size` at a time, in a seeded order that starts over
+    when it runs out. Each example is {"input_ids", "labels"} (-100 where no loss falls), at least one label kept.
+
+    >>> b = PtxBatches([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]}],
+    ...                size=2, pad_id=0, seed=0)
+    >>> ids, mask, labels = b.next()
+    >>> ids.tolist(), mask.tolist(), labels.tolist()
+    ([[4, 5, 0], [1, 2, 3]], [[1, 1, 0], [1, 1, 1]], [[-100, 5, -100], [-100, 2, 3]])
+    >>> PtxBatches([{"input_ids": [1, 2], "labels": [-100, -100]}], size=1, pad_id=0)
+    Traceback (most recent call last):
+    ValueError: train_grpo: ptx example 0 has no token to train on (every label is -100)
+    """
+
+    def __init__(self, examples: list[dict[str, list[int]]], size: int, pad_id: int, seed: int = 0):
+        import random
+
+        for i, e in enumerate(examples):
+            if len(e["input_ids"]) != len(e["labels"]):
+                raise ValueError(f"train_grpo: ptx example {i} has {len(e['input_ids'])} ids and {len(e['labels'])} "
+                                 "labels")
+            if all(x == -100 for x in e["labels"]):
+                raise ValueError(f"train_grpo: ptx example {i} has no token to train on (every label is -100)")
+        if not examples:
+            raise ValueError("train_grpo: ptx_weight > 0 needs ptx examples (the demonstrations); got none")
+        self.examples, self.size, self.pad_id = examples, size, pad_id
+        self.rng, self.order = random.Random(seed), []
+
+    def next(self):
+        import torch
+
+        chunk = []
+        while len(chunk) < self.size:
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            chunk.append(self.examples[self.order.pop()])
+        width = max(len(e["input_ids"]) for e in chunk)
+        pad = [width - len(e["input_ids"]) for e in chunk]
+        ids = torch.tensor([e["input_ids"] + [self.pad_id] * k for e, k in zip(chunk, pad)])
+        mask = torch.tensor([[1] * len(e["input_ids"]) + [0] * k for e, k in zip(chunk, pad)])
+        labels = torch.tensor([e["labels"] + [-100] * k for e, k in zip(chunk, pad)])
+        return ids, mask, labels
+
+
+def text_ptx_examples(encoder: Any, rows: list[dict[str, str]]) -> list[dict[str, list[int]]]:
+    """PPO-ptx examples from {"prompt", "completion"} rows (a text domain's demonstrations): the prompt as the
+    policy's PromptEncoder renders it for sampling, then the completion and the first end-of-sequence id, with
+    the loss on the completion's tokens alone, as SFT puts it."""
+    prompt_ids = encoder.encode([r["prompt"] for r in rows])
+    out = []
+    for r, p in zip(rows, prompt_ids, strict=True):
+        c = encoder.tok(r["completion"], add_special_tokens=False)["input_ids"] + encoder.eos_ids[:1]
+        out.append({"input_ids": list(p) + c, "labels": [-100] * len(p) + c})
+    return out
 
 
 def check_rollouts(rollouts: list[dict[str, Any]], group_size: int) -> dict[str, list[dict[str, Any]]]:
@@ -179,15 +247,16 @@ def step_token_advantages(decode: Any, completion_ids: list[int], steps: list[st
 
 
 def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[str, Any]], out_dir: str,
-               params: GRPOParams, progress_callback: ProgressCallback | None = None
-               ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               params: GRPOParams, progress_callback: ProgressCallback | None = None,
+               ptx_examples: list[dict[str, list[int]]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Train the policy at `model_path` on `rollouts`, save it to `out_dir`; (metrics, one row per rollout).
 
     The metrics: steps, runtime_s, rollouts and groups trained on, the mean of TRL's logged `loss`, `entropy`,
     `kl` (beta > 0), `clip_ratio` (TRL's region mean: the share of tokens whose ratio was clipped),
     `advantage_gap`, the learning rate of the last step (`final_learning_rate`, as TRL logged it),
     and the staleness of the rollouts each step trained on (`staleness_mean`, `staleness_max`,
-    in optimizer steps since they were sampled). The rows: {"trajectory_id", "tokens", "old_logprob",
+    in optimizer steps since they were sampled); with ptx_weight > 0, `ptx_loss`, the demonstrations' mean NLL over
+    the round's forward passes, and `ptx_examples`. The rows: {"trajectory_id", "tokens", "old_logprob",
     "new_logprob"}, summed over the tokens the model sampled.
     """
     import datasets
@@ -208,6 +277,9 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
                                      for gid, gr in groups.items()])
     batch: dict[str, list[str]] = {"groups": [], "tids": []}
     gaps: list[float] = []
+    ptx = PtxBatches(ptx_examples or [], params.ptx_batch_size, tok.pad_token_id, params.seed) \
+        if params.ptx_weight > 0 else None
+    ptx_losses: list[float] = []
 
     def rollout_func(prompts: list[Any], trainer: Any) -> dict[str, Any]:
         # TRL asks for each group num_generations times in a row; the stored rollouts answer, in their order.
@@ -243,6 +315,15 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
                 gaps.append(float((out["advantages"].float().cpu() - ours).abs().max()))
             out["advantages"] = ours.to(out["advantages"].device)
             return out
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if ptx is None:
+                return loss
+            ids, mask, labels = (t.to(loss.device) for t in ptx.next())
+            nll = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            ptx_losses.append(float(nll.detach()))
+            return loss + params.ptx_weight * nll
 
     history: list[dict[str, float]] = []
 
@@ -305,6 +386,8 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
         **{name: _mean(history, key) for name, key in (("entropy", "entropy"), ("kl", "kl"),
                                                        ("clip_ratio", "clip_ratio/region_mean"))},
         "advantage_gap": max(gaps) if gaps else math.nan,
+        **({"ptx_loss": sum(ptx_losses) / max(len(ptx_losses), 1), "ptx_examples": len(ptx.examples)}
+           if ptx is not None else {}),
         "final_learning_rate": next((float(h["learning_rate"]) for h in reversed(history) if "learning_rate" in h),
                                     math.nan),
         "staleness_mean": (steps - 1) / 2 if steps else math.nan, "staleness_max": max(steps - 1, 0),

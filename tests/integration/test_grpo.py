@@ -79,9 +79,9 @@ def grpo_run(prefect_server, tmp_path_factory):
             f"policy.model={model['uri']}", "bootstrap.steps=0"]
     self_evolution(config_path=str(CONFIG), overrides=flat)
     # Step-level credit from a PRM trained in the rounds: round 1's step rewards are its Monte Carlo values, round
-    # 2's the PRM round 1 trained on them.
+    # 2's the PRM round 1 trained on them. The round-0 demonstrations train beside the rollouts (PPO-ptx).
     step = [f"workdir={w}", *SMALL, "experiment=micro-grpo-step", f"policy.model={model['uri']}", "bootstrap.steps=0",
-            *STEP_CREDIT]
+            *STEP_CREDIT, "train_policy.grpo.ptx_weight=0.5"]
     self_evolution(config_path=str(CONFIG), overrides=step)
     return cfg, store, load_config(CONFIG, flat), load_config(CONFIG, step)
 
@@ -192,3 +192,26 @@ def test_step_credit_from_a_prm_trained_in_the_rounds(grpo_run):
                              "status = 'committed' ORDER BY round", [exp])
     assert [r for r, *_ in metrics] == [1, 2]
     assert all(json.loads(m)["step_credit_rollouts"] == trained > 0 for _, m, trained in metrics)
+
+
+def test_ptx_trains_the_demonstrations_beside_the_rollouts(grpo_run):
+    """train_policy.grpo.ptx_weight > 0: every grpo round names the round-0 demonstrations it replayed (use 'ptx',
+    source round 0) beside its rollouts, and logs their mean NLL; the run without it names none."""
+    cfg, store, _, step = grpo_run
+    demos = store.query("SELECT count(*) FROM selections s JOIN trajectories t USING (trajectory_id) WHERE "
+                        "t.experiment_id = ? AND s.round = 0 AND s.selected AND s.purpose = 'policy_sft'",
+                        [step.experiment])[1][0][0]
+    _, uses = store.query(
+        "SELECT m.round, i.use, min(i.source_round), max(i.source_round), count(*) FROM model_inputs i "
+        "JOIN models m USING (model_id) WHERE m.experiment_id = ? AND m.round > 0 AND m.role = 'policy' "
+        "GROUP BY ALL ORDER BY ALL",
+        [step.experiment])
+    assert demos > 0 and [(r, u, n) for r, u, _, _, n in uses if u == "ptx"] == [(1, "ptx", demos), (2, "ptx", demos)]
+    assert all(lo == hi == (0 if u == "ptx" else r) for r, u, lo, hi, _ in uses)
+    _, metrics = store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id = ? AND stage = "
+                             "'train_policy' AND round > 0 AND status = 'committed' ORDER BY round", [step.experiment])
+    assert [json.loads(m)["ptx_examples"] for _, m in metrics] == [demos, demos]
+    assert all(0 < json.loads(m)["ptx_loss"] < 10 for _, m in metrics)
+    _, none = store.query("SELECT count(*) FROM model_inputs i JOIN models m USING (model_id) WHERE "
+                          "m.experiment_id = ? AND i.use = 'ptx'", [cfg.experiment])
+    assert none == [(0,)]

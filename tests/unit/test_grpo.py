@@ -52,6 +52,8 @@ def test_micro_grpo_config_loads(repo):
     ({"train_policy": {"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}},
       "score": {"reward_model": "orm", "mc_rollouts": 2}, "train_reward": {"enabled": True, "orm": True}},
      "an ORM scores whole rollouts"),
+    ({"train_policy": {"method": "grpo", "grpo": {"ptx_weight": -1}}}, "train_policy.grpo.ptx_weight: Input should be "
+                                                                       "greater than or equal to 0"),
 ])
 def test_config_refuses_what_grpo_cannot_train(sections, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
@@ -238,3 +240,42 @@ def test_per_token_advantages_and_an_env_mask_train(tmp_path, one_torch_thread):
     # cosine over the round's 2 steps: the second trains at half the rate (and the schedule ends at 0 after it)
     assert metrics["final_learning_rate"] == pytest.approx(5e-4)
     assert [r["tokens"] for r in rows] == [sum(r["env_mask"]) for r in rollouts]
+
+
+def test_ptx_adds_the_demonstrations_nll_and_nothing_else_moves_without_it(tmp_path, one_torch_thread):
+    """PPO-ptx: with every advantage 0 the policy gradient is 0, so at ptx_weight 0 the weights stay as they were,
+    and at ptx_weight 1 the demonstrations' NLL falls (its mean over the forward passes is reported) while the
+    rollouts' log-probabilities move only through it."""
+    from components.training.grpo import text_ptx_examples
+
+    init = str(create_tiny_llama(SMALL, tmp_path / "init", seed=0))
+    rollouts = [r | {"reward": float(j % 2), "advantage": 0.0} for r, j in _sampled(init, 4, 2)]
+    demos = [{"prompt": p.prompt, "completion": DOMAIN.reference_solution(p)}
+             for p in DOMAIN.sample_problems(1, 16, seed=3)]
+    encoder = HFBackend(init, batch_size=16, progress=False).prompts
+    ptx = text_ptx_examples(encoder, demos)
+    assert all(e["labels"][-1] == encoder.eos_ids[0] and e["labels"][0] == -100 for e in ptx)
+
+    def demo_nll(model_dir: str) -> float:
+        from transformers import AutoModelForCausalLM
+
+        m = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            return sum(m(input_ids=torch.tensor([e["input_ids"]]), labels=torch.tensor([e["labels"]])).loss.item()
+                       for e in ptx) / len(ptx)
+
+    params = dict(num_generations=2, groups_per_step=2, num_iterations=2, learning_rate=3e-3, use_cpu=True)
+    off, rows_off = train_grpo(init, None, rollouts, str(tmp_path / "off"), GRPOParams(**params), ptx_examples=ptx)
+    on, rows_on = train_grpo(init, None, rollouts, str(tmp_path / "on"),
+                             GRPOParams(**params, ptx_weight=1.0, ptx_batch_size=4), ptx_examples=ptx)
+    assert "ptx_loss" not in off and on["ptx_examples"] == 16 and on["steps"] == off["steps"] == 4
+    assert all(r["new_logprob"] == pytest.approx(r["old_logprob"], abs=1e-4) for r in rows_off)
+    before, after = demo_nll(init), demo_nll(str(tmp_path / "on"))
+    print(f"demonstrations' NLL per token: {before:.3f} before, {after:.3f} after ptx (mean in training "
+          f"{on['ptx_loss']:.3f})")
+    assert demo_nll(str(tmp_path / "off")) == pytest.approx(before, abs=1e-4)
+    assert after < before - 0.3 and after < on["ptx_loss"] < before + 1e-3
+    with pytest.raises(ValueError, match="ptx_weight > 0 needs ptx examples"):
+        train_grpo(init, None, rollouts, str(tmp_path / "none"), GRPOParams(**params, ptx_weight=1.0))
+    with pytest.raises(ValueError, match="ptx_weight must be a finite number >= 0"):
+        GRPOParams(num_generations=2, ptx_weight=float("nan"))
