@@ -21,6 +21,9 @@ learning rate, no warmup, as a grpo round does:
   GRPOTrainer and the DAPO loss;
 - `grpo-kl`: `grpo` with a KL to the starting policy, beta 0.1 (`reference: initial`);
 - `grpo-cosine`: `grpo` with the learning rate decayed to 0 over the round's steps (`lr_scheduler: cosine`);
+- `grpo-ptx`: `grpo` plus `--ptx-weight` times the NLL of 8 of the round-0 demonstrations in every forward pass
+  (PPO-ptx, `train_policy.grpo.ptx_weight`): the demonstrations replayed beside the policy gradient, as rft's SFT
+  replays them beside a round's samples;
 - `sft`: coevo's SFT trainer (`train_sft`, as rft trains) on the same right rollouts' text, batches of 16;
 - `sft-refs`: the same trainer on the domain's reference solutions to the round's problems: any update of this
   size, on data that is all correct;
@@ -51,7 +54,7 @@ from components.models.backends import HFBackend  # noqa: E402
 from components.models.tiny import TinyLlamaConfig, create_tiny_llama  # noqa: E402
 from components.rl.advantages import group_advantages  # noqa: E402
 from components.training.data import demonstrations  # noqa: E402
-from components.training.grpo import GRPOParams, train_grpo  # noqa: E402
+from components.training.grpo import GRPOParams, text_ptx_examples, train_grpo  # noqa: E402
 from components.training.sft import SFTParams, train_sft  # noqa: E402
 
 G, GROUPS_PER_STEP = 8, 4
@@ -63,7 +66,11 @@ GRPO_ARMS = {
     "sft-like": (lambda a, right: 1.0 if right else 0.0, 0.0, "constant"),
     "grpo-kl": (lambda a, right: a, 0.1, "constant"),
     "grpo-cosine": (lambda a, right: a, 0.0, "cosine"),
+    "grpo-ptx": (lambda a, right: a, 0.0, "constant"),
 }
+# configs/micro.yaml's bootstrap: its demonstrations are also grpo-ptx's
+BOOTSTRAP = BootstrapConfig(levels=[1, 2], problems_per_level=600, seed_levels=[3], seed_fraction=0.08, steps=500,
+                            batch_size=64, learning_rate=3e-3)
 SFT_ARMS = {"sft": "constant", "sft-refs": "constant", "sft-refs-cosine": "cosine"}
 
 
@@ -80,6 +87,7 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", choices=[*GRPO_ARMS, *SFT_ARMS], default=[*GRPO_ARMS, *SFT_ARMS])
     ap.add_argument("--problems-per-level", type=int, default=48, help="the round's problems at levels 2 and 3 each")
     ap.add_argument("--passes", type=int, default=2, help="num_iterations: passes over the round's kept groups")
+    ap.add_argument("--ptx-weight", type=float, default=1.0, help="grpo-ptx: the demonstrations' NLL weight")
     ap.add_argument("--eval-per-level", type=int, default=300)
     ap.add_argument("--work", default="/tmp/grpo-update", help="where the trained arms are written")
     ap.add_argument("--out", default=None, help="JSON file for the figures")
@@ -122,6 +130,11 @@ def main() -> None:
     sft_data = {"sft": [{"prompt": r["prompt"], "completion": r["text"]} for r in kept if r["outcome"] > 0],
                 "sft-refs": [{"prompt": p.prompt, "completion": d.reference_solution(p)} for p in train]}
     sft_data["sft-refs-cosine"] = sft_data["sft-refs"]
+    demos = demonstrations(d, BOOTSTRAP.model_copy(update={"steps": args.bootstrap_steps,
+                                                           "learning_rate": args.bootstrap_lr}),
+                           args.seed, "grpo-update")[1]
+    ptx = text_ptx_examples(HFBackend(args.model, batch_size=256, progress=False).prompts,
+                            [{"prompt": t["prompt"], "completion": t["completion"]} for t in demos])
     before = measure(args.model)
     print(f"{len(rollouts)} rollouts, {len(kept)} in {n_groups} groups that differ "
           f"({sum(r['outcome'] for r in kept):.0f} right); {steps} optimizer steps an arm; greedy accuracy on "
@@ -141,7 +154,8 @@ def main() -> None:
                 these = [r | {"advantage": transform(r["advantage"], r["outcome"] > 0)} for r in kept]
                 m, _ = train_grpo(args.model, args.model if beta else None, these, out, GRPOParams(
                     num_generations=G, groups_per_step=GROUPS_PER_STEP, num_iterations=args.passes, learning_rate=lr,
-                    epsilon_high=0.28, beta=beta, lr_scheduler=schedule))
+                    epsilon_high=0.28, beta=beta, lr_scheduler=schedule,
+                    ptx_weight=args.ptx_weight if name.endswith("-ptx") else 0.0), ptx_examples=ptx)
             arm = {"arm": name, "learning_rate": lr, "steps": m["steps"], "clip_fraction": m["clip_ratio"],
                    "policy_shift": m["policy_shift"], **measure(out)}
             arms.append(arm)
@@ -154,8 +168,7 @@ def main() -> None:
 def _bootstrap(d, args) -> str:
     """Round 0 as configs/micro.yaml's bootstrap makes it, at the policy size `--tiny`."""
     hidden, layers, heads, width = args.tiny
-    b = BootstrapConfig(levels=[1, 2], problems_per_level=600, seed_levels=[3], seed_fraction=0.08,
-                        steps=args.bootstrap_steps, batch_size=64, learning_rate=args.bootstrap_lr)
+    b = BOOTSTRAP.model_copy(update={"steps": args.bootstrap_steps, "learning_rate": args.bootstrap_lr})
     _, trajs, _ = demonstrations(d, b, args.seed, "grpo-update")
     init = create_tiny_llama(TinyLlamaConfig(hidden_size=hidden, num_layers=layers, num_heads=heads,
                                              intermediate_size=width), f"{args.work}/init", seed=args.seed)

@@ -59,13 +59,15 @@ SHAPING = {
     "prm": ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=100", "score.reward_model=prm",
             *STEP],
 }
-ARM = re.compile(r"grpo-lr([0-9.]+(?:e-?[0-9]+)?)(-cosine)?(?:-p([0-9]+))?(?:-(implicit|prm))?")
+ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p(?P<problems>[0-9]+))?"
+                 r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-(?P<credit>implicit|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]`: the rate, decayed to 0 over each round's steps as rft's SFT
-    rounds end (docs/grpo.md, "Why"), N problems a level a round, and step credit.
+    `grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]`: the rate, decayed to 0 over each round's steps as
+    rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round, the round-0 demonstrations' NLL at weight
+    W (default 1) beside the policy gradient (PPO-ptx), and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -73,11 +75,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['train_policy.grpo.learning_rate=1e-5', 'generate.problems_per_level=96']
     >>> arm_overrides("grpo-lr1e-5-p96-implicit")[1][2:]
     ['score.reward_model=implicit', 'train_policy.grpo.credit=step', 'train_policy.grpo.shaping_weight=0.5']
+    >>> arm_overrides("grpo-lr3e-4-ptx")[1], arm_overrides("grpo-lr3e-4-ptx0.5")[1][1]
+    (['train_policy.grpo.learning_rate=3e-4', 'train_policy.grpo.ptx_weight=1'], 'train_policy.grpo.ptx_weight=0.5')
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -86,11 +90,12 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     m = ARM.fullmatch(arm)
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
-                                         "grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]")
-    return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m[1]}",
-                                       *(["train_policy.grpo.lr_scheduler=cosine"] if m[2] else []),
-                                       *([f"generate.problems_per_level={m[3]}"] if m[3] else []),
-                                       *(SHAPING[m[4]] if m[4] else [])]
+                                         "grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]")
+    return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
+                                       *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
+                                       *([f"generate.problems_per_level={m['problems']}"] if m["problems"] else []),
+                                       *([f"train_policy.grpo.ptx_weight={m['weight'] or 1}"] if m["ptx"] else []),
+                                       *(SHAPING[m["credit"]] if m["credit"] else [])]
 
 
 def unshaped(arm: str) -> str | None:
@@ -100,7 +105,7 @@ def unshaped(arm: str) -> str | None:
     ('grpo-lr1e-5-p96', None)
     """
     m = ARM.fullmatch(arm)
-    return arm[: m.start(4) - 1] if m and m[4] else None
+    return arm[: m.start("credit") - 1] if m and m["credit"] else None
 
 
 def _arm(name: str) -> str:
