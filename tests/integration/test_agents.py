@@ -67,8 +67,9 @@ def agent_grpo(agent_run):
     """recipe grpo on the same environment, from agent_run's round-0 policy: two rounds of groups of episodes, with
     turn credit from Monte Carlo turn labels (round 1) and from the PRM that round 1 trained on them (round 2);
     each round also trains an ORM, and its evaluation ranks two sampled episodes per held-out problem by that
-    round's PRM and by its ORM (best-of-2)."""
+    round's PRM and by its ORM (best-of-2). The reference episodes train beside them (PPO-ptx, weight 0.5)."""
     return from_round_zero(agent_run, "calc-grpo", 2, "grpo", [
+        "train_policy.grpo.ptx_weight=0.5",
         "generate.problems_per_level=6", "generate.samples_per_problem=4",
         "generate.temperature=1.0", "train_policy.method=grpo", "train_policy.grpo.groups_per_step=2",
         "train_policy.grpo.learning_rate=1e-4", "evaluate.problems_per_level=4", "evaluate.maj_k=1",
@@ -421,6 +422,15 @@ def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(age
     assert trained == logprobs > 0 and steps >= 1
     # The log-probabilities run over the tokens the model sampled, never the tool's observations.
     assert tokens == assistant_tokens
+    # PPO-ptx: each round also trained on every reference episode of round 0, on its assistant turns.
+    _, ptx = store.query(
+        "SELECT m.round, count(*), (SELECT count(*) FROM selections s JOIN trajectories t USING (trajectory_id) "
+        " WHERE t.experiment_id = m.experiment_id AND s.round = 0 AND s.selected AND s.purpose = 'policy_sft'), "
+        "json_extract(r.metrics_json, '$.ptx_loss')::DOUBLE FROM model_inputs i JOIN models m USING (model_id) "
+        "JOIN stage_runs r ON r.experiment_id = m.experiment_id AND r.round = m.round AND r.stage = 'train_policy' "
+        "AND r.status = 'committed' WHERE m.experiment_id = ? AND m.role = 'policy' AND i.use = 'ptx' "
+        "AND i.source_round = 0 GROUP BY ALL ORDER BY ALL", [cfg.experiment])
+    assert [r for r, *_ in ptx] == [1, 2] and all(n == demos > 0 and 0 < nll < 10 for _, n, demos, nll in ptx)
 
 
 @pytest.mark.parametrize("scorer, aggregate", [("prm", "min"), ("orm", "outcome")])
