@@ -11,9 +11,10 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
-- any `grpo-lr<rate>[-cosine][-p<N>][-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N problems
-  a level, and step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), which the
-  report sets against the same arm without it.
+- any `grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N
+  problems a level, the round-0 demonstrations beside the policy gradient at weight W (PPO-ptx, default 1), and
+  step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), which the report sets
+  against the same arm without it.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
