@@ -124,7 +124,7 @@ class PtxBatches:
         self.rng, self.order = random.Random(seed), []
 
     def next(self):
-        import torch
+        from components.rewards import pad_right
 
         chunk = []
         while len(chunk) < self.size:
@@ -132,11 +132,8 @@ class PtxBatches:
                 self.order = list(range(len(self.examples)))
                 self.rng.shuffle(self.order)
             chunk.append(self.examples[self.order.pop()])
-        width = max(len(e["input_ids"]) for e in chunk)
-        pad = [width - len(e["input_ids"]) for e in chunk]
-        ids = torch.tensor([e["input_ids"] + [self.pad_id] * k for e, k in zip(chunk, pad)])
-        mask = torch.tensor([[1] * len(e["input_ids"]) + [0] * k for e, k in zip(chunk, pad)])
-        labels = torch.tensor([e["labels"] + [-100] * k for e, k in zip(chunk, pad)])
+        ids, mask = pad_right([e["input_ids"] for e in chunk], self.pad_id)
+        labels, _ = pad_right([e["labels"] for e in chunk], -100)
         return ids, mask, labels
 
 
