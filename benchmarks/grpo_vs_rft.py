@@ -11,10 +11,11 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
-- any `grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N
-  problems a level, the round-0 demonstrations beside the policy gradient at weight W (PPO-ptx, default 1), and
-  step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), which the report sets
-  against the same arm without it.
+- any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]` (with `--arms`): that rate,
+  constant or decayed, N problems a level, sampling only the L hardest learnable levels (`curriculum.max_levels`),
+  K passes over each round's rollouts (`num_iterations`), the round-0 demonstrations beside the policy gradient at
+  weight W (PPO-ptx, default 1), and step credit from the implicit PRM or from a PRM the rounds train (as in
+  grpo_shaping.py), which the report sets against the same arm without it.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -61,14 +62,16 @@ SHAPING = {
             *STEP],
 }
 ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p(?P<problems>[0-9]+))?"
-                 r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-(?P<credit>implicit|prm))?")
+                 r"(?:-top(?P<levels>[0-9]+))?"
+                 r"(?:-it(?P<iterations>[0-9]+))?(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-(?P<credit>implicit|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]`: the rate, decayed to 0 over each round's steps as
-    rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round, the round-0 demonstrations' NLL at weight
-    W (default 1) beside the policy gradient (PPO-ptx), and step credit.
+    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]`: the rate, decayed to 0 over each
+    round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L hardest
+    learnable levels, K passes over its rollouts, the round-0 demonstrations' NLL at weight W (default 1) beside the
+    policy gradient (PPO-ptx), and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -78,11 +81,15 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['score.reward_model=implicit', 'train_policy.grpo.credit=step', 'train_policy.grpo.shaping_weight=0.5']
     >>> arm_overrides("grpo-lr3e-4-ptx")[1], arm_overrides("grpo-lr3e-4-ptx0.5")[1][1]
     (['train_policy.grpo.learning_rate=3e-4', 'train_policy.grpo.ptx_weight=1'], 'train_policy.grpo.ptx_weight=0.5')
+    >>> arm_overrides("grpo-lr1e-4-p64-top1-it4-ptx")[1][1:3]
+    ['generate.problems_per_level=64', 'curriculum.max_levels=1']
+    >>> arm_overrides("grpo-lr1e-4-p64-top1-it4-ptx")[1][3:]
+    ['train_policy.grpo.num_iterations=4', 'train_policy.grpo.ptx_weight=1']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -91,10 +98,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     m = ARM.fullmatch(arm)
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
-                                         "grpo-lr<rate>[-cosine][-p<N>][-ptx[<W>]][-implicit|-prm]")
+                                         "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *([f"generate.problems_per_level={m['problems']}"] if m["problems"] else []),
+                                       *([f"curriculum.max_levels={m['levels']}"] if m["levels"] else []),
+                                       *([f"train_policy.grpo.num_iterations={m['iterations']}"]
+                                         if m["iterations"] else []),
                                        *([f"train_policy.grpo.ptx_weight={m['weight'] or 1}"] if m["ptx"] else []),
                                        *(SHAPING[m["credit"]] if m["credit"] else [])]
 
@@ -214,6 +224,9 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/grpo-bench"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--grpo-rounds", type=int, default=None, metavar="N",
+                    help="rounds for the grpo arms (default: --rounds): a grpo round samples fewer tokens than "
+                         "rft's, so more of them fit in 0.7x rft's tokens")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--arms", nargs="+", type=_arm, default=["rft", "grpo", "grpo-lr1e-4"],
                     help="rft always runs first: every other arm starts from its round-0 policy")
@@ -237,20 +250,22 @@ def main() -> None:
     store = Store(args.workdir / "store")
     report = {}
     for seed in args.seeds:
-        base = [f"workdir={args.workdir}", f"seed={seed}", f"rounds={args.rounds}", *size, *args.overrides]
+        base = [f"workdir={args.workdir}", f"seed={seed}", *size, *args.overrides]
         for arm in ["rft", *[a for a in args.arms if a != "rft"]]:
             config, extra = arm_overrides(arm)
             exp = f"bench-{arm}-s{seed}"
+            rounds = args.rounds if arm.startswith("rft") else args.grpo_rounds or args.rounds
             if args.report_only:
-                if not store.committed_model(exp, args.rounds, "policy"):
-                    sys.exit(f"--report-only: {exp} has no committed round {args.rounds} in {args.workdir}; "
+                if not store.committed_model(exp, rounds, "policy"):
+                    sys.exit(f"--report-only: {exp} has no committed round {rounds} in {args.workdir}; "
                              "run it first (without --report-only)")
             else:
                 start = [] if arm == "rft" else [
                     f"policy.model={store.committed_model(f'bench-rft-s{seed}', 0, 'policy')['uri']}",
                     "bootstrap.steps=0"]
                 print(f"[bench] seed {seed}: {arm}", flush=True)
-                _run(config, [*base, f"experiment={exp}", *extra, *start], args.workdir / f"{exp}.log")
+                _run(config, [*base, f"rounds={rounds}", f"experiment={exp}", *extra, *start],
+                     args.workdir / f"{exp}.log")
             report.setdefault(arm, {})[seed] = _rows(store, exp)
     cfg = load_config(REPO / "configs" / "micro.yaml", args.overrides)
     domain = get_domain(cfg.domain.name, **cfg.domain.options)
