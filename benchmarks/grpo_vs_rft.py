@@ -11,11 +11,12 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
-- any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]` (with `--arms`): that rate,
-  constant or decayed, N problems a level, sampling only the L hardest learnable levels (`curriculum.max_levels`),
-  K passes over each round's rollouts (`num_iterations`), the round-0 demonstrations beside the policy gradient at
-  weight W (PPO-ptx, default 1), and step credit from the implicit PRM or from a PRM the rounds train (as in
-  grpo_shaping.py), which the report sets against the same arm without it.
+- any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-implicit|-prm]` (with `--arms`): that
+  rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
+  (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`), the round-0
+  demonstrations beside the policy gradient at weight W (PPO-ptx, default 1), and step credit from the implicit
+  PRM or from a PRM the rounds train (as in grpo_shaping.py), which the report sets against the same arm without
+  it.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -62,16 +63,16 @@ SHAPING = {
             *STEP],
 }
 ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p(?P<problems>[0-9]+))?"
-                 r"(?:-top(?P<levels>[0-9]+))?"
+                 r"(?:-top(?P<levels>[0-9]+))?(?:-g(?P<group>[0-9]+))?"
                  r"(?:-it(?P<iterations>[0-9]+))?(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-(?P<credit>implicit|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]`: the rate, decayed to 0 over each
-    round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L hardest
-    learnable levels, K passes over its rollouts, the round-0 demonstrations' NLL at weight W (default 1) beside the
-    policy gradient (PPO-ptx), and step credit.
+    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-implicit|-prm]`: the rate, decayed to 0
+    over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L
+    hardest learnable levels in groups of G, K passes over its rollouts, the round-0 demonstrations' NLL at weight
+    W (default 1) beside the policy gradient (PPO-ptx), and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -85,11 +86,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['generate.problems_per_level=64', 'curriculum.max_levels=1']
     >>> arm_overrides("grpo-lr1e-4-p64-top1-it4-ptx")[1][3:]
     ['train_policy.grpo.num_iterations=4', 'train_policy.grpo.ptx_weight=1']
+    >>> arm_overrides("grpo-lr1e-4-p32-top1-g16-it8-ptx")[1][2:4]
+    ['curriculum.max_levels=1', 'generate.samples_per_problem=16']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -98,11 +101,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     m = ARM.fullmatch(arm)
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
-                                         "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-it<K>][-ptx[<W>]][-implicit|-prm]")
+                                         "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]]"
+                                         "[-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *([f"generate.problems_per_level={m['problems']}"] if m["problems"] else []),
                                        *([f"curriculum.max_levels={m['levels']}"] if m["levels"] else []),
+                                       *([f"generate.samples_per_problem={m['group']}"] if m["group"] else []),
                                        *([f"train_policy.grpo.num_iterations={m['iterations']}"]
                                          if m["iterations"] else []),
                                        *([f"train_policy.grpo.ptx_weight={m['weight'] or 1}"] if m["ptx"] else []),
