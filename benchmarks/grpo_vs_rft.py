@@ -62,6 +62,9 @@ SHAPING = {
     "prm": ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=100", "score.reward_model=prm",
             *STEP],
 }
+# An arm's numeric parts (ARM's named groups) and the config key each sets, in the order the overrides list them.
+SETTINGS = {"problems": "generate.problems_per_level", "levels": "curriculum.max_levels",
+            "group": "generate.samples_per_problem", "iterations": "train_policy.grpo.num_iterations"}
 ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p(?P<problems>[0-9]+))?"
                  r"(?:-top(?P<levels>[0-9]+))?(?:-g(?P<group>[0-9]+))?"
                  r"(?:-it(?P<iterations>[0-9]+))?(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-(?P<credit>implicit|prm))?")
@@ -105,11 +108,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
                                          "[-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
-                                       *([f"generate.problems_per_level={m['problems']}"] if m["problems"] else []),
-                                       *([f"curriculum.max_levels={m['levels']}"] if m["levels"] else []),
-                                       *([f"generate.samples_per_problem={m['group']}"] if m["group"] else []),
-                                       *([f"train_policy.grpo.num_iterations={m['iterations']}"]
-                                         if m["iterations"] else []),
+                                       *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
                                        *([f"train_policy.grpo.ptx_weight={m['weight'] or 1}"] if m["ptx"] else []),
                                        *(SHAPING[m["credit"]] if m["credit"] else [])]
 
