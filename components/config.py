@@ -325,7 +325,8 @@ class FilterConfig(_Section):
     check_steps: bool = Field(
         False, description="Also drop right answers whose worked steps do not check out against the problem "
                            "(the domain's step checker, run like rStar-Math's code execution; it compares with no "
-                           "gold solution). Ignored where a domain has none.",
+                           "gold solution). Under recipe grpo such a right answer earns 0, a wrong answer's reward, "
+                           "and `advantages.steps_checked` records the verdict. Ignored where a domain has none.",
     )
 
 

@@ -313,6 +313,9 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("reason", STR, null=False),  # why kept or dropped
         col("process", FLOAT),  # credit=step: the step's reward (reward-model score or mc_soft); NULL otherwise
         col("process_return", FLOAT),  # credit=step: the sum of the group-normalised step rewards from it on
+        # filter.check_steps: the domain's step checker on a right answer (false: `outcome` is 0, not the
+        # verifier's reward); NULL for a wrong answer or without the checker
+        col("steps_checked", BOOL),
         _STAGE_RUN,
     ),
     _table(

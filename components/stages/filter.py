@@ -121,6 +121,12 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     missing = [t["trajectory_id"] for t in trajs if t["trajectory_id"] not in outcome]
     if missing:
         raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
+    checked = steps_checked(domain_of(spec), trajs, outcome) if cfg.filter.check_steps else {}
+    failed = sorted(t for t, ok in checked.items() if not ok)
+    if checked:  # rft drops these right answers; here they earn a wrong answer's reward
+        outcome |= dict.fromkeys(failed, 0.0)
+        log("filter", f"filter.check_steps: {len(failed)} of {len(checked)} right answers have steps that do not "
+                      "check out and earn 0")
     shaping: dict[str, float] = {}
     if g.shaping_weight > 0 and g.credit == "trajectory":
         dense, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], g.shaping_aggregate)
@@ -144,7 +150,7 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     rows = group_advantages(rollouts, scale=g.scale_rewards, max_groups=cfg.filter.max_groups, seed=spec.seed,
                             process_varied=process_varied_groups(rollouts, process))
     rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round, "process": None,
-                 "process_return": None} for r in rows]
+                 "process_return": None, "steps_checked": checked.get(r["trajectory_id"])} for r in rows]
     turn_rows = step_advantages(rows, process, g.shaping_weight) if process else []
     if is_agent(domain_of(spec)):
         turn_rows = episode_turn_rows(rows, turn_rows, spec.rows("generate", "turns"))
@@ -163,7 +169,25 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     return {"groups": len(groups), "groups_kept": len(kept), "selected": sum(r["kept"] for r in rows),
             "considered": len(rows), "zero_variance_share": share,
             "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1),
-            **({"step_credit_rollouts": len(process)} if g.credit == "step" else {})}
+            **({"step_credit_rollouts": len(process)} if g.credit == "step" else {}),
+            **({"steps_failed": len(failed), "steps_checked": len(checked)} if checked else {})}
+
+
+def steps_checked(domain: Any, trajs: list[dict[str, Any]], outcome: dict[str, float]) -> dict[str, bool]:
+    """filter.check_steps under recipe grpo: the domain's step checker on each right answer (outcome > 0), by
+    trajectory id; a domain without a checker (it answers None) checks nothing.
+
+    >>> from components.domains.arith import ArithDomain
+    >>> trajs = [{"trajectory_id": t, "prompt": "3+4-2\\n", "completion": c} for t, c in
+    ...          [("a", "3+4=7\\n7-2=5\\n#### 5\\n"), ("b", "3+4=8\\n8-3=5\\n#### 5\\n"), ("c", "#### 4\\n")]]
+    >>> steps_checked(ArithDomain(), trajs, {"a": 1.0, "b": 1.0, "c": 0.0})
+    {'a': True, 'b': False}
+    """
+    out = {}
+    for t in trajs:
+        if outcome[t["trajectory_id"]] > 0 and (ok := domain.check_steps(t["prompt"], t["completion"])) is not None:
+            out[t["trajectory_id"]] = ok
+    return out
 
 
 def episode_turn_rows(rows: list[dict[str, Any]], step_rows: list[dict[str, Any]],

@@ -49,9 +49,10 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
 # grpo's `advantages`, `rollout_logprobs`, `trajectories.token_ids` and `v_rl_round`; 6 adds MCTS's `nodes`
 # and `v_search`; 7 adds `step_pairs.source`, `chosen_q` and `rejected_q` (pairs from a tree); 8 adds
 # `advantages.process` and `process_return` (step-level credit); 9 has `v_round_summary` count a round's pass rate by
-# stage run (the same values; the view took 0.81 s at 100M steps, against 3.6 s). An older
-# store's first writer adds the tables and columns it lacks. A higher version was made by a newer coevo.
-SCHEMA_VERSION = 9
+# stage run (the same values; the view took 0.81 s at 100M steps, against 3.6 s); 10 adds
+# `advantages.steps_checked` (filter.check_steps under recipe grpo). An older store's first writer adds the tables
+# and columns it lacks. A higher version was made by a newer coevo.
+SCHEMA_VERSION = 10
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 

@@ -79,9 +79,10 @@ def grpo_run(prefect_server, tmp_path_factory):
             f"policy.model={model['uri']}", "bootstrap.steps=0"]
     self_evolution(config_path=str(CONFIG), overrides=flat)
     # Step-level credit from a PRM trained in the rounds: round 1's step rewards are its Monte Carlo values, round
-    # 2's the PRM round 1 trained on them. The round-0 demonstrations train beside the rollouts (PPO-ptx).
+    # 2's the PRM round 1 trained on them. The round-0 demonstrations train beside the rollouts (PPO-ptx), and a
+    # right answer whose steps fail the arith checker earns 0.
     step = [f"workdir={w}", *SMALL, "experiment=micro-grpo-step", f"policy.model={model['uri']}", "bootstrap.steps=0",
-            *STEP_CREDIT, "train_policy.grpo.ptx_weight=0.5"]
+            *STEP_CREDIT, "train_policy.grpo.ptx_weight=0.5", "filter.check_steps=true"]
     self_evolution(config_path=str(CONFIG), overrides=step)
     return cfg, store, load_config(CONFIG, flat), load_config(CONFIG, step)
 
@@ -215,3 +216,26 @@ def test_ptx_trains_the_demonstrations_beside_the_rollouts(grpo_run):
     _, none = store.query("SELECT count(*) FROM model_inputs i JOIN models m USING (model_id) WHERE "
                           "m.experiment_id = ? AND i.use = 'ptx'", [cfg.experiment])
     assert none == [(0,)]
+
+
+def test_the_step_checker_zeroes_the_right_answers_whose_steps_fail(grpo_run):
+    """filter.check_steps under grpo: every right answer's `steps_checked` is the arith checker's verdict on its
+    text, and one that fails it earns 0 instead of the verifier's reward; a wrong answer is not checked. The run
+    without the setting checks nothing."""
+    from components.domains import get_domain
+
+    cfg, store, _, step = grpo_run
+    domain = get_domain(step.domain.name, **step.domain.options)
+    cols, rows = store.query(
+        "SELECT t.prompt, t.completion, v.correct, v.reward, a.outcome, a.steps_checked FROM advantages a "
+        "JOIN trajectories t USING (trajectory_id) JOIN verifications v USING (trajectory_id) "
+        "WHERE a.experiment_id = ? AND a.turn_index = -1", [step.experiment])
+    rows = [dict(zip(cols, r)) for r in rows]
+    right = [r for r in rows if r["correct"]]
+    assert right and all(r["steps_checked"] is domain.check_steps(r["prompt"], r["completion"]) for r in right)
+    assert 0 < sum(r["steps_checked"] is False for r in right) < len(right)  # both verdicts occur in the run
+    assert all(r["outcome"] == (r["reward"] if r["steps_checked"] else 0.0) for r in right)
+    assert all(r["steps_checked"] is None for r in rows if not r["correct"])
+    _, unchecked = store.query("SELECT count(*) FILTER (WHERE steps_checked IS NOT NULL), count(*) FROM advantages "
+                               "WHERE experiment_id = ?", [cfg.experiment])
+    assert unchecked[0][0] == 0 < unchecked[0][1]
