@@ -67,15 +67,17 @@ SETTINGS = {"problems": "generate.problems_per_level", "levels": "curriculum.max
             "group": "generate.samples_per_problem", "iterations": "train_policy.grpo.num_iterations"}
 ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p(?P<problems>[0-9]+))?"
                  r"(?:-top(?P<levels>[0-9]+))?(?:-g(?P<group>[0-9]+))?"
-                 r"(?:-it(?P<iterations>[0-9]+))?(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-(?P<credit>implicit|prm))?")
+                 r"(?:-it(?P<iterations>[0-9]+))?(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?P<checked>-checked)?"
+                 r"(?:-(?P<credit>implicit|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-implicit|-prm]`: the rate, decayed to 0
+    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-checked][-implicit|-prm]`: the rate, decayed to 0
     over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L
     hardest learnable levels in groups of G, K passes over its rollouts, the round-0 demonstrations' NLL at weight
-    W (default 1) beside the policy gradient (PPO-ptx), and step credit.
+    W (default 1) beside the policy gradient (PPO-ptx), rft's step checker on the right answers (filter.check_steps:
+    a right answer whose steps fail it earns 0), and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -91,11 +93,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['train_policy.grpo.num_iterations=4', 'train_policy.grpo.ptx_weight=1']
     >>> arm_overrides("grpo-lr1e-4-p32-top1-g16-it8-ptx")[1][2:4]
     ['curriculum.max_levels=1', 'generate.samples_per_problem=16']
+    >>> arm_overrides("grpo-lr1e-4-p64-top1-it8-ptx-checked")[1][-2:]
+    ['train_policy.grpo.ptx_weight=1', 'filter.check_steps=true']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-checked][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -105,11 +109,12 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]]"
-                                         "[-implicit|-prm]")
+                                         "[-checked][-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
                                        *([f"train_policy.grpo.ptx_weight={m['weight'] or 1}"] if m["ptx"] else []),
+                                       *(["filter.check_steps=true"] if m["checked"] else []),
                                        *(SHAPING[m["credit"]] if m["credit"] else [])]
 
 
