@@ -261,6 +261,24 @@ def assert_plans_read_what_they_declare(cfg, store, tmp_path: Path) -> None:
             assert all(i.round <= r for i in spec.inputs), (r, stage)
 
 
+def assert_ptx_replays_the_demonstrations(store, experiment: str, rounds: list[int]) -> int:
+    """train_policy.grpo.ptx_weight > 0: each grpo round in `rounds` names every round-0 demonstration once beside its
+    rollouts (`model_inputs` use 'ptx', source round 0; an episode trains on its assistant turns), and logs their
+    count and mean NLL. Returns how many demonstrations there are."""
+    demos = store.query("SELECT count(*) FROM selections s JOIN trajectories t USING (trajectory_id) WHERE "
+                        "t.experiment_id = ? AND s.round = 0 AND s.selected AND s.purpose = 'policy_sft'",
+                        [experiment])[1][0][0]
+    _, rows = store.query(
+        "SELECT m.round, count(*), count(*) FILTER (WHERE i.source_round = 0), "
+        "json_extract(r.metrics_json, '$.ptx_examples')::INTEGER, json_extract(r.metrics_json, '$.ptx_loss')::DOUBLE "
+        "FROM model_inputs i JOIN models m USING (model_id) JOIN stage_runs r ON r.experiment_id = m.experiment_id "
+        "AND r.round = m.round AND r.stage = 'train_policy' AND r.status = 'committed' "
+        "WHERE m.experiment_id = ? AND m.role = 'policy' AND i.use = 'ptx' GROUP BY ALL ORDER BY ALL", [experiment])
+    assert demos > 0 and [row[:4] for row in rows] == [(r, demos, demos, demos) for r in rounds], (demos, rows)
+    assert all(0 < nll < 10 for *_, nll in rows)
+    return demos
+
+
 @dataclass
 class S3Endpoint:
     """A real S3-compatible endpoint on 127.0.0.1 (moto's server) with one bucket, whose requests are signed and

@@ -17,7 +17,7 @@ import pytest
 
 from components.config import load_config
 from components.store import Store
-from tests.conftest import REPO, run_coevo, untied_copy
+from tests.conftest import REPO, assert_ptx_replays_the_demonstrations, run_coevo, untied_copy
 
 pytestmark = pytest.mark.slow
 
@@ -423,14 +423,7 @@ def test_grpo_credits_each_turn_of_an_episode_from_its_turn_label_then_a_prm(age
     # The log-probabilities run over the tokens the model sampled, never the tool's observations.
     assert tokens == assistant_tokens
     # PPO-ptx: each round also trained on every reference episode of round 0, on its assistant turns.
-    _, ptx = store.query(
-        "SELECT m.round, count(*), (SELECT count(*) FROM selections s JOIN trajectories t USING (trajectory_id) "
-        " WHERE t.experiment_id = m.experiment_id AND s.round = 0 AND s.selected AND s.purpose = 'policy_sft'), "
-        "json_extract(r.metrics_json, '$.ptx_loss')::DOUBLE FROM model_inputs i JOIN models m USING (model_id) "
-        "JOIN stage_runs r ON r.experiment_id = m.experiment_id AND r.round = m.round AND r.stage = 'train_policy' "
-        "AND r.status = 'committed' WHERE m.experiment_id = ? AND m.role = 'policy' AND i.use = 'ptx' "
-        "AND i.source_round = 0 GROUP BY ALL ORDER BY ALL", [cfg.experiment])
-    assert [r for r, *_ in ptx] == [1, 2] and all(n == demos > 0 and 0 < nll < 10 for _, n, demos, nll in ptx)
+    assert_ptx_replays_the_demonstrations(store, cfg.experiment, [1, 2])
 
 
 @pytest.mark.parametrize("scorer, aggregate", [("prm", "min"), ("orm", "outcome")])
