@@ -383,6 +383,9 @@ def self_evolution(config_path: str = "configs/arith.yaml", recipe: RecipeName |
             logger.info(f"experiment {cfg.experiment}: {stored} rounds stored, resuming to {cfg.rounds}")
         else:
             logger.info(f"experiment {cfg.experiment} is new: running the config's {cfg.rounds} rounds")
+    unused = get_recipe(cfg.recipe).unused(cfg)
+    if unused:
+        logger.warning(f"recipe {cfg.recipe} does not read these settings: {'; '.join(unused)}")
     with ExperimentLock(cfg.experiment_dir, _flow_run_id()):
         _register(cfg)
         n = Store.for_config(cfg).fail_dangling_runs(cfg.experiment)

@@ -30,6 +30,10 @@ def _accept(cfg: Any) -> None:  # noqa: ARG001
     return None
 
 
+def _reads_all(cfg: Any) -> list[str]:  # noqa: ARG001
+    return []
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -41,6 +45,10 @@ class Recipe:
     check: Callable[[Any], None] = _accept
     # Stages a round runs only where the config says so (grpo's train_reward: with train_reward.enabled).
     when: Mapping[str, Callable[[Any], bool]] = field(default_factory=dict)
+    # Given the ExperimentConfig, the settings it moves from their defaults that this recipe never reads ("KEY=VALUE
+    # (what it reads instead)"): the flow logs them as a warning. A config switched from another recipe by an
+    # override keeps that recipe's settings, so they are named, not refused.
+    unused: Callable[[Any], list[str]] = _reads_all
 
     def round_stages(self, round: int, cfg: Any = None) -> list[str]:
         """The stages of `round`, in order. With the config given: the stages `when` leaves out are left out, and

@@ -59,8 +59,38 @@ def check(cfg) -> None:
                          "defaults")
 
 
+# rft's settings that recipe grpo never reads, and what it reads instead where it has a counterpart.
+UNUSED = {"train_policy.steps": "train_policy.grpo.num_iterations", "train_policy.epochs": None,
+          "train_policy.batch_size": "train_policy.grpo.groups_per_step",
+          "train_policy.learning_rate": "train_policy.grpo.learning_rate",
+          "train_policy.replay_ratio": "train_policy.grpo.ptx_weight", "train_policy.gradient_accumulation_steps": None,
+          "filter.dedup": None, "filter.max_per_problem": "filter.max_groups",
+          "filter.rank_by": "train_policy.grpo.shaping_aggregate", "filter.drop_mc_bad_steps": None,
+          "filter.min_step_score": None, "filter.judge": None, "filter.judge_max_drop": None,
+          "filter.max_pairs_per_problem": None}
+
+
+def unused(cfg) -> list[str]:
+    """The settings of UNUSED that `cfg` moves from their defaults, as "KEY=VALUE (grpo reads ...)".
+
+    >>> from pathlib import Path
+    >>> from components.config import load_config
+    >>> sql = Path(__file__).parents[2] / "configs" / "sql.yaml"  # an rft config, switched to grpo
+    >>> unused(load_config(sql, ["recipe=grpo", "train_policy.method=grpo"]))[:2]
+    ['train_policy.steps=80 (grpo reads train_policy.grpo.num_iterations)', 'train_policy.epochs=None']
+    """
+    out = []
+    for key, instead in UNUSED.items():
+        section, name = key.split(".")
+        sec = getattr(cfg, section)
+        value = getattr(sec, name)
+        if value != type(sec).model_fields[name].default:
+            out.append(f"{key}={value!r}" + (f" (grpo reads {instead})" if instead else ""))
+    return out
+
+
 RECIPE = Recipe(name="grpo",
                 stages=("generate", "verify", "score", "train_reward", "filter", "train_policy", "evaluate"),
                 when={"train_reward": lambda cfg: cfg.train_reward.enabled},
                 description="group-relative policy gradient on each round's own samples (TRL GRPOTrainer)",
-                check=check)
+                check=check, unused=unused)

@@ -60,6 +60,18 @@ def test_config_refuses_what_grpo_cannot_train(sections, says):
         _cfg(**sections)
 
 
+def test_rfts_settings_that_grpo_never_reads_are_named(repo):
+    """A grpo config keeps rft's settings where an override switched its recipe; the flow warns of those moved from
+    their defaults, each with what grpo reads instead, and of nothing in the micro grpo config."""
+    from components.recipes import get_recipe
+
+    assert get_recipe("grpo").unused(load_config(repo / "configs" / "micro-grpo.yaml")) == []
+    cfg = _cfg(train_policy={"method": "grpo", "learning_rate": 1e-5}, filter={"min_step_score": 0.5, "dedup": True})
+    assert get_recipe("grpo").unused(cfg) == ["train_policy.learning_rate=1e-05 (grpo reads "
+                                              "train_policy.grpo.learning_rate)", "filter.min_step_score=0.5"]
+    assert get_recipe("rft").unused(cfg) == []
+
+
 def test_beta_with_a_reference_loads():
     cfg = _cfg(train_policy={"method": "grpo", "grpo": {"beta": 0.04, "reference": "initial"}})
     assert cfg.train_policy.grpo.beta == 0.04
