@@ -73,11 +73,11 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-checked][-implicit|-prm]`: the rate, decayed to 0
-    over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L
-    hardest learnable levels in groups of G, K passes over its rollouts, the round-0 demonstrations' NLL at weight
-    W (default 1) beside the policy gradient (PPO-ptx), rft's step checker on the right answers (filter.check_steps:
-    a right answer whose steps fail it earns 0), and step credit.
+    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-checked][-implicit|-prm]`: the rate,
+    decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round
+    from the L hardest learnable levels in groups of G, K passes over its rollouts, the round-0 demonstrations' NLL
+    at weight W (default 1) beside the policy gradient (PPO-ptx), rft's step checker on the right answers
+    (filter.check_steps: a right answer whose steps fail it earns 0), and step credit.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
