@@ -34,6 +34,25 @@ def _reads_all(cfg: Any) -> list[str]:  # noqa: ARG001
     return []
 
 
+def grpo_settings(cfg: Any) -> list[str]:
+    """`Recipe.unused` of a recipe without a policy gradient (rft, coevo): recipe grpo's settings where `cfg` moves
+    them from their defaults.
+
+    >>> from types import SimpleNamespace
+    >>> from components.config import FilterConfig, GRPOSection
+    >>> cfg = SimpleNamespace(train_policy=SimpleNamespace(grpo=GRPOSection(num_iterations=8)),
+    ...                       filter=FilterConfig(max_groups=16))
+    >>> grpo_settings(cfg)
+    ['train_policy.grpo.num_iterations=8 (recipe grpo reads it)', 'filter.max_groups=16 (recipe grpo reads it)']
+    """
+    g, default = cfg.train_policy.grpo, type(cfg.train_policy.grpo)()
+    moved = [(f"train_policy.grpo.{k}", getattr(g, k)) for k in type(g).model_fields
+             if getattr(g, k) != getattr(default, k)]
+    if cfg.filter.max_groups is not None:
+        moved.append(("filter.max_groups", cfg.filter.max_groups))
+    return [f"{k}={v!r} (recipe grpo reads it)" for k, v in moved]
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -75,4 +94,4 @@ def get_recipe(name: str) -> Recipe:
     return recipe
 
 
-__all__ = ["RECIPES", "Recipe", "get_recipe"]
+__all__ = ["RECIPES", "Recipe", "get_recipe", "grpo_settings"]

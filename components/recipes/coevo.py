@@ -11,7 +11,7 @@ adds PRM best-of-N. docs/coevo-recipe.md has what it measured against `rft`.
 
 from __future__ import annotations
 
-from components.recipes import Recipe
+from components.recipes import Recipe, grpo_settings
 
 
 def check(cfg) -> None:
@@ -24,4 +24,4 @@ def check(cfg) -> None:
 RECIPE = Recipe(name="coevo",
                 stages=("generate", "verify", "score", "train_reward", "filter", "train_policy", "evaluate"),
                 description="a PRM trained on Monte Carlo step labels ranks the data; policy and PRM co-evolve",
-                check=check)
+                check=check, unused=grpo_settings)

@@ -9,7 +9,7 @@ ranker is the verifier outcome, the trainer SFT.
 
 from __future__ import annotations
 
-from components.recipes import Recipe
+from components.recipes import Recipe, grpo_settings
 
 
 def check(cfg) -> None:
@@ -20,4 +20,4 @@ def check(cfg) -> None:
 
 
 RECIPE = Recipe(name="rft", stages=("generate", "verify", "score", "filter", "train_policy", "evaluate"),
-                description="outcome filter only, no reward model (STaR / ReST-EM)", check=check)
+                description="outcome filter only, no reward model (STaR / ReST-EM)", check=check, unused=grpo_settings)

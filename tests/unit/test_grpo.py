@@ -70,6 +70,11 @@ def test_rfts_settings_that_grpo_never_reads_are_named(repo):
     assert get_recipe("grpo").unused(cfg) == ["train_policy.learning_rate=1e-05 (grpo reads "
                                               "train_policy.grpo.learning_rate)", "filter.min_step_score=0.5"]
     assert get_recipe("rft").unused(cfg) == []
+    # and the other way: rft and coevo name grpo's own settings
+    rft = load_config(repo / "configs" / "micro.yaml", ["train_policy.grpo.learning_rate=1e-4"])
+    assert get_recipe("rft").unused(rft) == ["train_policy.grpo.learning_rate=0.0001 (recipe grpo reads it)"]
+    assert get_recipe("coevo").unused(rft) == get_recipe("rft").unused(rft)
+    assert get_recipe("rft").unused(load_config(repo / "configs" / "micro.yaml")) == []
 
 
 def test_beta_with_a_reference_loads():
