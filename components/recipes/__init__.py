@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Any
 
 from components.instantiate import locate
@@ -45,12 +46,20 @@ def grpo_settings(cfg: Any) -> list[str]:
     >>> grpo_settings(cfg)
     ['train_policy.grpo.num_iterations=8 (recipe grpo reads it)', 'filter.max_groups=16 (recipe grpo reads it)']
     """
-    g, default = cfg.train_policy.grpo, type(cfg.train_policy.grpo)()
-    moved = [(f"train_policy.grpo.{k}", getattr(g, k)) for k in type(g).model_fields
-             if getattr(g, k) != getattr(default, k)]
-    if cfg.filter.max_groups is not None:
-        moved.append(("filter.max_groups", cfg.filter.max_groups))
-    return [f"{k}={v!r} (recipe grpo reads it)" for k, v in moved]
+    keys = [f"train_policy.grpo.{k}" for k in type(cfg.train_policy.grpo).model_fields] + ["filter.max_groups"]
+    return [f"{k}={v!r} (recipe grpo reads it)" for k, v in moved_settings(cfg, keys)]
+
+
+def moved_settings(cfg: Any, keys: list[str]) -> list[tuple[str, Any]]:
+    """(key, value) for each dotted setting of `keys` that `cfg` moves from its field's default, in `keys`' order."""
+    out = []
+    for key in keys:
+        *path, name = key.split(".")
+        section = reduce(getattr, path, cfg)
+        value = getattr(section, name)
+        if value != type(section).model_fields[name].get_default(call_default_factory=True):
+            out.append((key, value))
+    return out
 
 
 @dataclass(frozen=True)
@@ -94,4 +103,4 @@ def get_recipe(name: str) -> Recipe:
     return recipe
 
 
-__all__ = ["RECIPES", "Recipe", "get_recipe", "grpo_settings"]
+__all__ = ["RECIPES", "Recipe", "get_recipe", "grpo_settings", "moved_settings"]

@@ -18,7 +18,7 @@ docs/grpo.md has the SQL that explains an advantage and what a round measured.
 
 from __future__ import annotations
 
-from components.recipes import Recipe
+from components.recipes import Recipe, moved_settings
 
 
 def check(cfg) -> None:
@@ -79,14 +79,8 @@ def unused(cfg) -> list[str]:
     >>> unused(load_config(sql, ["recipe=grpo", "train_policy.method=grpo"]))[:2]
     ['train_policy.steps=80 (grpo reads train_policy.grpo.num_iterations)', 'train_policy.epochs=None']
     """
-    out = []
-    for key, instead in UNUSED.items():
-        section, name = key.split(".")
-        sec = getattr(cfg, section)
-        value = getattr(sec, name)
-        if value != type(sec).model_fields[name].default:
-            out.append(f"{key}={value!r}" + (f" (grpo reads {instead})" if instead else ""))
-    return out
+    return [f"{key}={value!r}" + (f" (grpo reads {UNUSED[key]})" if UNUSED[key] else "")
+            for key, value in moved_settings(cfg, list(UNUSED))]
 
 
 RECIPE = Recipe(name="grpo",
