@@ -371,6 +371,13 @@ class GRPOSection(_Section):
                     "does (docs/grpo.md). 0: the rollouts alone.")
     ptx_batch_size: int = Field(8, ge=1, exclude_if=lambda v: v == 8,
                                 description="Demonstrations per forward pass (one group's) under ptx_weight > 0.")
+    ptx_pool: Literal["demonstrations", "right_answers"] = Field(
+        "demonstrations", exclude_if=lambda v: v == "demonstrations",
+        description="What PPO-ptx's NLL trains on. 'demonstrations': the round-0 demonstrations. 'right_answers': "
+                    "half of each ptx batch is the round's own right answers, every group's (those without a "
+                    "learning signal too), deduplicated, minus those whose steps fail filter.check_steps where it "
+                    "is set: self-imitation (Oh et al. 2018), rft's SFT data beside the policy gradient; the other "
+                    "half the demonstrations. Needs ptx_weight > 0.")
     reference: Literal["previous", "initial"] | None = Field(
         None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
     shaping_weight: float = Field(
@@ -387,6 +394,13 @@ class GRPOSection(_Section):
                     "shaping_weight x the sum of its group-normalised step rewards from that step on (DeepSeekMath's "
                     "process supervision); the step rewards are the round's reward-model step scores, else its "
                     "Monte Carlo mc_soft labels, and a group whose outcomes are equal trains where they differ.")
+
+    @model_validator(mode="after")
+    def _ptx_pool_needs_a_weight(self) -> "GRPOSection":
+        if self.ptx_pool != "demonstrations" and self.ptx_weight == 0:
+            raise ValueError(f"train_policy.grpo.ptx_pool={self.ptx_pool} trains on nothing at ptx_weight=0: set "
+                             "train_policy.grpo.ptx_weight > 0 (e.g. 1)")
+        return self
 
 
 _GRPO_DEFAULT = GRPOSection()

@@ -224,7 +224,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("model_id", STR, null=False),
         col("trajectory_id", STR, null=False),
         col("source_round", INT, null=False),  # the round whose selection it came from
-        # new | replay | dpo_chosen | dpo_rejected | step_dpo_rejected | step_dpo_chosen | grpo | ptx
+        # new | replay | dpo_chosen | dpo_rejected | step_dpo_rejected | step_dpo_chosen | grpo | ptx | grpo+ptx
         col("use", STR, null=False),
         _STAGE_RUN,
     ),

@@ -269,12 +269,13 @@ def assert_ptx_replays_the_demonstrations(store, experiment: str, rounds: list[i
                         "t.experiment_id = ? AND s.round = 0 AND s.selected AND s.purpose = 'policy_sft'",
                         [experiment])[1][0][0]
     _, rows = store.query(
-        "SELECT m.round, count(*), count(*) FILTER (WHERE i.source_round = 0), "
+        "SELECT m.round, count(*), "
         "json_extract(r.metrics_json, '$.ptx_examples')::INTEGER, json_extract(r.metrics_json, '$.ptx_loss')::DOUBLE "
         "FROM model_inputs i JOIN models m USING (model_id) JOIN stage_runs r ON r.experiment_id = m.experiment_id "
         "AND r.round = m.round AND r.stage = 'train_policy' AND r.status = 'committed' "
-        "WHERE m.experiment_id = ? AND m.role = 'policy' AND i.use = 'ptx' GROUP BY ALL ORDER BY ALL", [experiment])
-    assert demos > 0 and [row[:4] for row in rows] == [(r, demos, demos, demos) for r in rounds], (demos, rows)
+        "WHERE m.experiment_id = ? AND m.role = 'policy' AND i.use = 'ptx' AND i.source_round = 0 "
+        "GROUP BY ALL ORDER BY ALL", [experiment])
+    assert demos > 0 and [row[:3] for row in rows] == [(r, demos, demos) for r in rounds], (demos, rows)
     assert all(0 < nll < 10 for *_, nll in rows)
     return demos
 

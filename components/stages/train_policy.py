@@ -37,6 +37,8 @@ def plan(p: Planner) -> Inputs:
         p.read("filter")
         if tp.grpo.ptx_weight > 0:  # PPO-ptx: the round-0 demonstrations beside the rollouts
             p.read("bootstrap", 0)
+        if tp.grpo.ptx_pool == "right_answers":  # and the round's own right answers
+            p.read("verify")
         return inputs
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
@@ -184,9 +186,9 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
         if per_turn:
             log("train_policy", f"turn credit: {per_turn} of {len(rollouts)} episodes train each turn on its own "
                                 "advantage")
-        tids, demos = _ptx_demos(spec)
-        ptx = [_masked(*chat.encode(m["messages"], add_generation_prompt=False)) for m in demos]
-        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0, ptx=(tids, ptx)) | {
+        pools = [(tids, [_masked(*chat.encode(m["messages"], add_generation_prompt=False)) for m in rows])
+                 for tids, rows in _ptx_pools(spec)]
+        return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized=0, ptx=pools) | {
             "turn_credit_rollouts": per_turn}
     prompts = sorted({t["prompt"] for t in trajs})
     prompt_ids = dict(zip(prompts, encoder.encode(prompts), strict=True))
@@ -217,20 +219,37 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
                          "completion_ids": list(ids), "reward": a["reward"], "advantage": advantage})
     if step_adv:
         log("train_policy", f"step credit: {len(step_adv)} of {len(rollouts)} rollouts train on per-token advantages")
-    tids, demos = _ptx_demos(spec)
-    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized,
-                       ptx=(tids, text_ptx_examples(encoder, demos) if demos else [])) | (
+    pools = [(tids, text_ptx_examples(encoder, rows) if rows else []) for tids, rows in _ptx_pools(spec)]
+    return _train_grpo(spec, out, inp, model_dir, rollouts, retokenized, ptx=pools) | (
         {"step_credit_rollouts": len(step_adv)} if step_adv else {})
 
 
-def _ptx_demos(spec: StageSpec) -> tuple[list[str], list[dict[str, Any]]]:
-    """train_policy.grpo.ptx_weight > 0: the round-0 demonstrations' ids and what SFT reads of them ({"prompt",
-    "completion"}, or an episode's {"messages"}), in a fixed order; none otherwise."""
-    if spec.cfg().train_policy.grpo.ptx_weight <= 0:
-        return [], []
+PtxPool = tuple[list[str], list[dict[str, Any]]]  # trajectory ids and what SFT reads of each, in the same order
+
+
+def _ptx_pools(spec: StageSpec) -> tuple[PtxPool, PtxPool]:
+    """What PPO-ptx trains on, as SFT reads it ({"prompt", "completion"}, or an episode's {"messages"}), in a
+    fixed order: the round-0 demonstrations (ptx_weight > 0), then the round's own right answers (ptx_pool
+    right_answers): every group's, one of each distinct completion of a problem, without those whose steps
+    failed the filter's checker."""
+    g = spec.cfg().train_policy.grpo
+    if g.ptx_weight <= 0:
+        return ([], []), ([], [])
     demos = selected(spec, 0, demos_only=True)
     tids = sorted(demos)
-    return tids, sft_examples(spec, [demos[t] for t in tids])
+    if g.ptx_pool != "right_answers":
+        return (tids, sft_examples(spec, [demos[t] for t in tids])), ([], [])
+    right = {v["trajectory_id"] for v in spec.rows("verify", "verifications") if v["correct"]}
+    right -= {a["trajectory_id"] for a in spec.rows("filter", "advantages")
+              if a["turn_index"] == -1 and a["steps_checked"] is False}
+    own: dict[tuple[str, str], dict[str, Any]] = {}
+    for t in sorted(spec.rows("generate", "trajectories"), key=lambda t: (t["problem_id"], t["sample_index"])):
+        if t["trajectory_id"] in right:
+            own.setdefault((t["problem_id"], t["completion"]), t)
+    log("train_policy", f"self-imitation: {len(own)} distinct right answers of {len(right)} beside "
+                        f"{len(tids)} demonstrations in each ptx batch")
+    return (tids, sft_examples(spec, [demos[t] for t in tids])), (
+        [t["trajectory_id"] for t in own.values()], sft_examples(spec, list(own.values())))
 
 
 def _masked(ids: list[int], mask: list[int]) -> dict[str, list[int]]:
@@ -239,7 +258,8 @@ def _masked(ids: list[int], mask: list[int]) -> dict[str, list[int]]:
 
 
 def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir, rollouts: list[dict[str, Any]],
-                retokenized: int, ptx: tuple[list[str], list[dict[str, list[int]]]]) -> dict[str, float]:
+                retokenized: int, ptx: list[tuple[list[str], list[dict[str, list[int]]]]]) -> dict[str, float]:
+    """TRL's GRPO on `rollouts`; `ptx`: the demonstrations, then the round's right answers (ids, examples)."""
     from components.training.grpo import GRPOParams, train_grpo
 
     cfg = spec.cfg()
@@ -256,14 +276,19 @@ def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir,
     log("train_policy", f"GRPO ({g.loss_type}) on {len(rollouts)} rollouts in {len(rollouts) // params.num_generations} "
                         f"groups, {g.groups_per_step} groups per step, {g.num_iterations} pass(es), from {inp.init_uri}"
                         + (f", beta {g.beta} to {inp.dpo_reference_model_id}" if g.beta > 0 else "")
-                        + (f", ptx {g.ptx_weight:g} on {len(ptx[1])} demonstrations" if g.ptx_weight > 0 else ""))
+                        + (f", ptx {g.ptx_weight:g} on {len(ptx[0][1])} demonstrations" if g.ptx_weight > 0 else "")
+                        + (f" and {len(ptx[1][1])} right answers" if ptx[1][1] else ""))
     metrics, logprobs = train_grpo(inp.init_uri, inp.dpo_reference_uri, rollouts, str(model_dir), params,
-                                   progress_callback=train_progress("train_policy"), ptx_examples=ptx[1])
+                                   progress_callback=train_progress("train_policy"), ptx_examples=ptx[0][1],
+                                   ptx_own=ptx[1][1])
     mid = model_id(spec)
+    uses = {r["trajectory_id"]: (spec.round, "grpo") for r in rollouts}
+    for t in ptx[1][0]:  # a right answer both in a learning group and imitated
+        uses[t] = (spec.round, "grpo+ptx" if t in uses else "ptx")
+    uses |= {t: (0, "ptx") for t in ptx[0][0]}
     write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, len(rollouts))],
-          model_inputs=[{"model_id": mid, "trajectory_id": r["trajectory_id"], "source_round": spec.round,
-                         "use": "grpo"} for r in rollouts]
-          + [{"model_id": mid, "trajectory_id": t, "source_round": 0, "use": "ptx"} for t in ptx[0]],
+          model_inputs=[{"model_id": mid, "trajectory_id": t, "source_round": r, "use": u}
+                        for t, (r, u) in uses.items()],
           rollout_logprobs=[{"model_id": mid} | r for r in logprobs])
     return {k: float(v) for k, v in metrics.items()} | {"retokenized": retokenized}
 
@@ -332,5 +357,5 @@ def _turn_pair(chats: dict[str, list[dict[str, Any]]], sp: dict[str, Any]) -> di
 
 
 STAGE = Stage(name="train_policy", section="train_policy", gpu=True,
-              reads=("bootstrap", "import", "generate", "filter", "score"),
+              reads=("bootstrap", "import", "generate", "verify", "filter", "score"),
               writes=("models", "model_inputs", "rollout_logprobs"), inputs=Inputs, plan=plan, run=run)

@@ -22,7 +22,9 @@ With `ptx_weight` > 0, each forward pass also takes the next `ptx_batch_size` of
 demonstrations: already tokenized, `labels` -100 where no loss falls) and adds `ptx_weight` times their mean token
 NLL to TRL's loss: InstructGPT's PPO-ptx (Ouyang et al. 2022), a third piece of ours, since GRPOTrainer trains on
 its rollouts alone. rft's SFT replays the demonstrations beside a round's samples; this is the same anchor for a
-policy-gradient round (docs/grpo.md, "Why").
+policy-gradient round (docs/grpo.md, "Why"). With `ptx_own` (ptx_pool right_answers), half of each ptx batch is
+the round's own right answers instead, those of groups without a learning signal included: self-imitation
+(Oh et al. 2018), rft's SFT data beside the policy gradient.
 
 Optimizer step k trains on rollouts k steps stale. Each rollout's summed log-probability under the policy that
 sampled it and under the trained one is returned, for the store: what the round's updates moved.
@@ -96,42 +98,53 @@ class GRPOParams:
 
 
 class PtxBatches:
-    """The demonstrations PPO-ptx adds to each forward pass, `size` at a time, in a seeded order that starts over
-    when it runs out. Each example is {"input_ids", "labels"} (-100 where no loss falls), at least one label kept.
+    """The examples PPO-ptx adds to each forward pass, `size` at a time, in a seeded order that starts over when
+    it runs out. Each example is {"input_ids", "labels"} (-100 where no loss falls), at least one label kept.
+    With `own` (ptx_pool right_answers: the round's right answers), half of each batch (rounded up) comes from
+    `own` and the rest from `examples` (the demonstrations), each pool in its own order.
 
     >>> b = PtxBatches([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]}],
     ...                size=2, pad_id=0, seed=0)
     >>> ids, mask, labels = b.next()
     >>> ids.tolist(), mask.tolist(), labels.tolist()
     ([[4, 5, 0], [1, 2, 3]], [[1, 1, 0], [1, 1, 1]], [[-100, 5, -100], [-100, 2, 3]])
+    >>> b = PtxBatches([{"input_ids": [1, 2], "labels": [-100, 2]}], size=3, pad_id=0,
+    ...                own=[{"input_ids": [7, 8], "labels": [-100, 8]}])
+    >>> b.next()[0].tolist()
+    [[7, 8], [7, 8], [1, 2]]
     >>> PtxBatches([{"input_ids": [1, 2], "labels": [-100, -100]}], size=1, pad_id=0)
     Traceback (most recent call last):
     ValueError: train_grpo: ptx example 0 has no token to train on (every label is -100)
     """
 
-    def __init__(self, examples: list[dict[str, list[int]]], size: int, pad_id: int, seed: int = 0):
+    def __init__(self, examples: list[dict[str, list[int]]], size: int, pad_id: int, seed: int = 0,
+                 own: list[dict[str, list[int]]] | None = None):
         import random
 
-        for i, e in enumerate(examples):
-            if len(e["input_ids"]) != len(e["labels"]):
-                raise ValueError(f"train_grpo: ptx example {i} has {len(e['input_ids'])} ids and {len(e['labels'])} "
-                                 "labels")
-            if all(x == -100 for x in e["labels"]):
-                raise ValueError(f"train_grpo: ptx example {i} has no token to train on (every label is -100)")
+        for what, pool in (("ptx example", examples), ("right answer", own or [])):
+            for i, e in enumerate(pool):
+                if len(e["input_ids"]) != len(e["labels"]):
+                    raise ValueError(f"train_grpo: {what} {i} has {len(e['input_ids'])} ids and {len(e['labels'])} "
+                                     "labels")
+                if all(x == -100 for x in e["labels"]):
+                    raise ValueError(f"train_grpo: {what} {i} has no token to train on (every label is -100)")
         if not examples:
             raise ValueError("train_grpo: ptx_weight > 0 needs ptx examples (the demonstrations); got none")
-        self.examples, self.size, self.pad_id = examples, size, pad_id
-        self.rng, self.order = random.Random(seed), []
+        self.examples, self.own, self.size, self.pad_id = examples, own or [], size, pad_id
+        # (pool, examples of it per batch); a round without right answers trains on the demonstrations alone
+        self.take = [(self.own, size - size // 2), (examples, size // 2)] if self.own else [(examples, size)]
+        self.rng, self.orders = random.Random(seed), [[] for _ in self.take]
 
     def next(self):
         from components.rewards import pad_right
 
         chunk = []
-        while len(chunk) < self.size:
-            if not self.order:
-                self.order = list(range(len(self.examples)))
-                self.rng.shuffle(self.order)
-            chunk.append(self.examples[self.order.pop()])
+        for (pool, n), order in zip(self.take, self.orders, strict=True):
+            for _ in range(n):
+                if not order:
+                    order.extend(range(len(pool)))
+                    self.rng.shuffle(order)
+                chunk.append(pool[order.pop()])
         ids, mask = pad_right([e["input_ids"] for e in chunk], self.pad_id)
         labels, _ = pad_right([e["labels"] for e in chunk], -100)
         return ids, mask, labels
@@ -245,16 +258,18 @@ def step_token_advantages(decode: Any, completion_ids: list[int], steps: list[st
 
 def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[str, Any]], out_dir: str,
                params: GRPOParams, progress_callback: ProgressCallback | None = None,
-               ptx_examples: list[dict[str, list[int]]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+               ptx_examples: list[dict[str, list[int]]] | None = None,
+               ptx_own: list[dict[str, list[int]]] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Train the policy at `model_path` on `rollouts`, save it to `out_dir`; (metrics, one row per rollout).
 
     The metrics: steps, runtime_s, rollouts and groups trained on, the mean of TRL's logged `loss`, `entropy`,
     `kl` (beta > 0), `clip_ratio` (TRL's region mean: the share of tokens whose ratio was clipped),
     `advantage_gap`, the learning rate of the last step (`final_learning_rate`, as TRL logged it),
     and the staleness of the rollouts each step trained on (`staleness_mean`, `staleness_max`,
-    in optimizer steps since they were sampled); with ptx_weight > 0, `ptx_loss`, the demonstrations' mean NLL over
-    the round's forward passes, and `ptx_examples`. The rows: {"trajectory_id", "tokens", "old_logprob",
-    "new_logprob"}, summed over the tokens the model sampled.
+    in optimizer steps since they were sampled); with ptx_weight > 0, `ptx_loss`, the ptx batches' mean NLL over
+    the round's forward passes, `ptx_examples`, and `ptx_right_answers` (`ptx_own`: the round's right answers that
+    share each ptx batch with the demonstrations, ptx_pool right_answers). The rows: {"trajectory_id", "tokens",
+    "old_logprob", "new_logprob"}, summed over the tokens the model sampled.
     """
     import datasets
     import torch
@@ -274,7 +289,7 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
                                      for gid, gr in groups.items()])
     batch: dict[str, list[str]] = {"groups": [], "tids": []}
     gaps: list[float] = []
-    ptx = PtxBatches(ptx_examples or [], params.ptx_batch_size, tok.pad_token_id, params.seed) \
+    ptx = PtxBatches(ptx_examples or [], params.ptx_batch_size, tok.pad_token_id, params.seed, ptx_own) \
         if params.ptx_weight > 0 else None
     ptx_losses: list[float] = []
 
@@ -383,8 +398,8 @@ def train_grpo(model_path: str, ref_model_path: str | None, rollouts: list[dict[
         **{name: _mean(history, key) for name, key in (("entropy", "entropy"), ("kl", "kl"),
                                                        ("clip_ratio", "clip_ratio/region_mean"))},
         "advantage_gap": max(gaps) if gaps else math.nan,
-        **({"ptx_loss": sum(ptx_losses) / max(len(ptx_losses), 1), "ptx_examples": len(ptx.examples)}
-           if ptx is not None else {}),
+        **({"ptx_loss": sum(ptx_losses) / max(len(ptx_losses), 1), "ptx_examples": len(ptx.examples),
+            "ptx_right_answers": len(ptx.own)} if ptx is not None else {}),
         "final_learning_rate": next((float(h["learning_rate"]) for h in reversed(history) if "learning_rate" in h),
                                     math.nan),
         "staleness_mean": (steps - 1) / 2 if steps else math.nan, "staleness_max": max(steps - 1, 0),

@@ -54,6 +54,8 @@ def test_micro_grpo_config_loads(repo):
      "an ORM scores whole rollouts"),
     ({"train_policy": {"method": "grpo", "grpo": {"ptx_weight": -1}}}, "train_policy.grpo.ptx_weight: Input should be "
                                                                        "greater than or equal to 0"),
+    ({"train_policy": {"method": "grpo", "grpo": {"ptx_pool": "right_answers"}}},
+     "train_policy.grpo.ptx_pool=right_answers trains on nothing at ptx_weight=0"),
 ])
 def test_config_refuses_what_grpo_cannot_train(sections, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
