@@ -371,13 +371,14 @@ class GRPOSection(_Section):
                     "does (docs/grpo.md). 0: the rollouts alone.")
     ptx_batch_size: int = Field(8, ge=1, exclude_if=lambda v: v == 8,
                                 description="Demonstrations per forward pass (one group's) under ptx_weight > 0.")
-    ptx_pool: Literal["demonstrations", "right_answers"] = Field(
+    ptx_pool: Literal["demonstrations", "right_answers", "all_right_answers"] = Field(
         "demonstrations", exclude_if=lambda v: v == "demonstrations",
         description="What PPO-ptx's NLL trains on. 'demonstrations': the round-0 demonstrations. 'right_answers': "
                     "half of each ptx batch is the round's own right answers, every group's (those without a "
                     "learning signal too), deduplicated, minus those whose steps fail filter.check_steps where it "
                     "is set: self-imitation (Oh et al. 2018), rft's SFT data beside the policy gradient; the other "
-                    "half the demonstrations. Needs ptx_weight > 0.")
+                    "half the demonstrations. 'all_right_answers': the same over this round and every earlier "
+                    "one, as rft replays its earlier selections. Needs ptx_weight > 0.")
     reference: Literal["previous", "initial"] | None = Field(
         None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
     shaping_weight: float = Field(

@@ -37,8 +37,12 @@ def plan(p: Planner) -> Inputs:
         p.read("filter")
         if tp.grpo.ptx_weight > 0:  # PPO-ptx: the round-0 demonstrations beside the rollouts
             p.read("bootstrap", 0)
-        if tp.grpo.ptx_pool == "right_answers":  # and the round's own right answers
-            p.read("verify")
+        if tp.grpo.ptx_pool != "demonstrations":  # and the round's own right answers, or every round's
+            for r in range(1 if tp.grpo.ptx_pool == "all_right_answers" else p.round, p.round + 1):
+                p.read("verify", r)
+                if r < p.round:
+                    p.read("generate", r)
+                    p.read("filter", r)
         return inputs
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
@@ -224,32 +228,37 @@ def run_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir) ->
         {"step_credit_rollouts": len(step_adv)} if step_adv else {})
 
 
-PtxPool = tuple[list[str], list[dict[str, Any]]]  # trajectory ids and what SFT reads of each, in the same order
+PtxPool = tuple[list[Any], list[dict[str, Any]]]  # ids (the right answers': (id, round)) and what SFT reads of each
 
 
 def _ptx_pools(spec: StageSpec) -> tuple[PtxPool, PtxPool]:
     """What PPO-ptx trains on, as SFT reads it ({"prompt", "completion"}, or an episode's {"messages"}), in a
     fixed order: the round-0 demonstrations (ptx_weight > 0), then the round's own right answers (ptx_pool
-    right_answers): every group's, one of each distinct completion of a problem, without those whose steps
-    failed the filter's checker."""
+    right_answers), or every round's (all_right_answers): every group's, one of each distinct completion of a
+    problem, without those whose steps failed the filter's checker."""
     g = spec.cfg().train_policy.grpo
     if g.ptx_weight <= 0:
         return ([], []), ([], [])
     demos = selected(spec, 0, demos_only=True)
     tids = sorted(demos)
-    if g.ptx_pool != "right_answers":
+    if g.ptx_pool == "demonstrations":
         return (tids, sft_examples(spec, [demos[t] for t in tids])), ([], [])
-    right = {v["trajectory_id"] for v in spec.rows("verify", "verifications") if v["correct"]}
-    right -= {a["trajectory_id"] for a in spec.rows("filter", "advantages")
-              if a["turn_index"] == -1 and a["steps_checked"] is False}
     own: dict[tuple[str, str], dict[str, Any]] = {}
-    for t in sorted(spec.rows("generate", "trajectories"), key=lambda t: (t["problem_id"], t["sample_index"])):
-        if t["trajectory_id"] in right:
-            own.setdefault((t["problem_id"], t["completion"]), t)
-    log("train_policy", f"self-imitation: {len(own)} distinct right answers of {len(right)} beside "
-                        f"{len(tids)} demonstrations in each ptx batch")
+    right: set[str] = set()
+    for r in range(1 if g.ptx_pool == "all_right_answers" else spec.round, spec.round + 1):
+        ok = {v["trajectory_id"] for v in spec.rows("verify", "verifications", round=r) if v["correct"]}
+        ok -= {a["trajectory_id"] for a in spec.rows("filter", "advantages", round=r)
+               if a["turn_index"] == -1 and a["steps_checked"] is False}
+        right |= ok
+        for t in sorted(spec.rows("generate", "trajectories", round=r),
+                        key=lambda t: (t["problem_id"], t["sample_index"])):
+            if t["trajectory_id"] in ok:
+                own.setdefault((t["problem_id"], t["completion"]), t)
+    log("train_policy", f"self-imitation: {len(own)} distinct right answers of {len(right)}"
+                        + (f" from rounds 1-{spec.round}" if g.ptx_pool == "all_right_answers" else "")
+                        + f" beside {len(tids)} demonstrations in each ptx batch")
     return (tids, sft_examples(spec, [demos[t] for t in tids])), (
-        [t["trajectory_id"] for t in own.values()], sft_examples(spec, list(own.values())))
+        [(t["trajectory_id"], t["round"]) for t in own.values()], sft_examples(spec, list(own.values())))
 
 
 def _masked(ids: list[int], mask: list[int]) -> dict[str, list[int]]:
@@ -258,8 +267,9 @@ def _masked(ids: list[int], mask: list[int]) -> dict[str, list[int]]:
 
 
 def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir, rollouts: list[dict[str, Any]],
-                retokenized: int, ptx: list[tuple[list[str], list[dict[str, list[int]]]]]) -> dict[str, float]:
-    """TRL's GRPO on `rollouts`; `ptx`: the demonstrations, then the round's right answers (ids, examples)."""
+                retokenized: int, ptx: list[tuple[list[Any], list[dict[str, list[int]]]]]) -> dict[str, float]:
+    """TRL's GRPO on `rollouts`; `ptx`: the demonstrations (ids, examples), then the right answers ((id, round),
+    examples)."""
     from components.training.grpo import GRPOParams, train_grpo
 
     cfg = spec.cfg()
@@ -283,8 +293,8 @@ def _train_grpo(spec: StageSpec, out: StageOutputWriter, inp: Inputs, model_dir,
                                    ptx_own=ptx[1][1])
     mid = model_id(spec)
     uses = {r["trajectory_id"]: (spec.round, "grpo") for r in rollouts}
-    for t in ptx[1][0]:  # a right answer both in a learning group and imitated
-        uses[t] = (spec.round, "grpo+ptx" if t in uses else "ptx")
+    for t, r in ptx[1][0]:  # a right answer both in a learning group and imitated: 'grpo+ptx'
+        uses[t] = (r, "grpo+ptx" if t in uses else "ptx")
     uses |= {t: (0, "ptx") for t in ptx[0][0]}
     write(out, models=[model_row(spec, "policy", model_dir, "model", inp.parent_model_id, len(rollouts))],
           model_inputs=[{"model_id": mid, "trajectory_id": t, "source_round": r, "use": u}

@@ -213,53 +213,63 @@ def test_ptx_trains_the_demonstrations_beside_the_rollouts(grpo_run):
 
 @pytest.fixture(scope="module")
 def sil_run(grpo_run):
-    """One round from grpo_run's round-0 policy with self-imitation (ptx_pool right_answers) and the step checker,
-    outcome rewards alone. Sampled at temperature 0.6, some groups' rollouts are all right: they have no signal and
-    are dropped."""
+    """Two rounds from grpo_run's round-0 policy with self-imitation of every round's right answers (ptx_pool
+    all_right_answers) and the step checker, outcome rewards alone. Sampled at temperature 0.6, some groups'
+    rollouts are all right: they have no signal and are dropped."""
     from flows.evolution import self_evolution
 
     cfg, store, flat, _ = grpo_run
-    overrides = [f"workdir={cfg.workdir}", *SMALL, "experiment=micro-grpo-sil", "rounds=1",
-                 "generate.temperature=0.6",
+    overrides = [f"workdir={cfg.workdir}", *SMALL, "experiment=micro-grpo-sil", "generate.temperature=0.6",
                  f"policy.model={store.committed_model(cfg.experiment, 0, 'policy')['uri']}", "bootstrap.steps=0",
-                 "train_policy.grpo.ptx_weight=0.5", "train_policy.grpo.ptx_pool=right_answers",
+                 "train_policy.grpo.ptx_weight=0.5", "train_policy.grpo.ptx_pool=all_right_answers",
                  "filter.check_steps=true"]
     self_evolution(config_path=str(CONFIG), overrides=overrides)
     return store, load_config(CONFIG, overrides)
 
 
-# ptx_pool right_answers: a round's right answers that pass the step checker, one per distinct completion of a
-# problem (its first sample), and whether its group trained on its advantage too.
+# ptx_pool all_right_answers: round R's policy imitates the right answers of rounds 1..R that pass the step
+# checker, one per distinct completion of a problem (its first sample), 'grpo+ptx' where it is one of round R's
+# rollouts that trained on their advantage too.
 IMITATED = """
-SELECT t.round, arg_min(t.trajectory_id, t.sample_index), bool_or(a.kept)
-FROM trajectories t JOIN verifications v USING (trajectory_id) JOIN advantages a USING (trajectory_id)
-WHERE t.experiment_id = ? AND t.purpose = 'train' AND a.turn_index = -1 AND v.correct
-  AND a.steps_checked IS DISTINCT FROM false
-GROUP BY t.round, t.problem_id, t.completion
+WITH right_answers AS (
+    SELECT t.trajectory_id, t.round, t.problem_id, t.completion, t.sample_index, a.kept
+    FROM trajectories t JOIN verifications v USING (trajectory_id) JOIN advantages a USING (trajectory_id)
+    WHERE t.experiment_id = ? AND t.purpose = 'train' AND a.turn_index = -1 AND v.correct
+      AND a.steps_checked IS DISTINCT FROM false
+), first AS (
+    SELECT r.round AS trained_round, arg_min(a.trajectory_id, (a.round, a.sample_index)) AS trajectory_id
+    FROM (SELECT DISTINCT round FROM right_answers) r JOIN right_answers a ON a.round <= r.round
+    GROUP BY r.round, a.problem_id, a.completion
+)
+SELECT f.trained_round, f.trajectory_id, a.round,
+       CASE WHEN a.kept AND a.round = f.trained_round THEN 'grpo+ptx' ELSE 'ptx' END
+FROM first f JOIN right_answers a USING (trajectory_id)
 """
 
 
-def test_self_imitation_trains_the_rounds_sound_right_answers(sil_run):
-    """ptx_pool right_answers: the round's ptx batches hold exactly the right answers SQL finds (every group's,
-    those without a learning signal too, each distinct completion once, none whose steps fail the checker), named
-    in `model_inputs` ('grpo+ptx' where the rollout trained on its advantage as well) beside the demonstrations,
-    and counted in the metrics."""
+def test_self_imitation_trains_every_rounds_sound_right_answers(sil_run, tmp_path):
+    """ptx_pool all_right_answers: each round's ptx batches hold exactly the right answers SQL finds, of that round
+    and the ones before (every group's, those without a learning signal too, each distinct completion once, none
+    whose steps fail the checker), named in `model_inputs` at their own round ('grpo+ptx' where the rollout trained
+    on its advantage as well) beside the demonstrations, and counted in the metrics."""
     store, sil = sil_run
     _, expected = store.query(IMITATED, [sil.experiment])
     _, named = store.query(
-        "SELECT m.round, i.trajectory_id, i.use FROM model_inputs i JOIN models m USING (model_id) WHERE "
-        "m.experiment_id = ? AND m.role = 'policy' AND i.source_round = m.round AND i.use LIKE '%ptx'",
+        "SELECT m.round, i.trajectory_id, i.source_round, i.use FROM model_inputs i JOIN models m USING (model_id) "
+        "WHERE m.experiment_id = ? AND m.role = 'policy' AND i.source_round > 0 AND i.use LIKE '%ptx'",
         [sil.experiment])
-    assert sorted(named) == sorted((r, t, "grpo+ptx" if kept else "ptx") for r, t, kept in expected)
+    assert sorted(named) == sorted(expected)
     assert {u for *_, u in named} == {"ptx", "grpo+ptx"}  # groups with a signal and groups without
+    assert any(src < r for r, _, src, _ in named)  # round 2 imitates round 1's answers too
     _, failed = store.query("SELECT count(*) FROM advantages WHERE experiment_id = ? AND steps_checked = false",
                             [sil.experiment])
     assert failed[0][0] > 0  # the checker turned some right answers away
-    _, metrics = store.query("SELECT json_extract(metrics_json, '$.ptx_right_answers')::INTEGER FROM stage_runs "
-                             "WHERE experiment_id = ? AND stage = 'train_policy' AND status = 'committed' AND round = 1",
-                             [sil.experiment])
-    assert metrics == [(len(expected),)]
-    assert_ptx_replays_the_demonstrations(store, sil.experiment, [1])
+    _, metrics = store.query("SELECT round, json_extract(metrics_json, '$.ptx_right_answers')::INTEGER FROM "
+                             "stage_runs WHERE experiment_id = ? AND stage = 'train_policy' AND status = 'committed' "
+                             "AND round > 0 ORDER BY round", [sil.experiment])
+    assert metrics == [(r, sum(x == r for x, *_ in expected)) for r in (1, 2)]
+    assert_ptx_replays_the_demonstrations(store, sil.experiment, [1, 2])
+    assert_plans_read_what_they_declare(sil, store, tmp_path)  # the earlier rounds' samples included
     _, lineage = store.query("SELECT count(*) FILTER (WHERE selected_for = 'grpo'), count(*) FROM v_lineage WHERE "
                              "experiment_id = ? AND use = 'grpo+ptx'", [sil.experiment])
     assert lineage[0][0] == lineage[0][1] > 0  # a rollout imitated too is still the filter's grpo selection
