@@ -37,12 +37,11 @@ def plan(p: Planner) -> Inputs:
         p.read("filter")
         if tp.grpo.ptx_weight > 0:  # PPO-ptx: the round-0 demonstrations beside the rollouts
             p.read("bootstrap", 0)
-        if tp.grpo.ptx_pool != "demonstrations":  # and the round's own right answers, or every round's
-            for r in range(1 if tp.grpo.ptx_pool == "all_right_answers" else p.round, p.round + 1):
-                p.read("verify", r)
-                if r < p.round:
-                    p.read("generate", r)
-                    p.read("filter", r)
+        for r in _imitated_rounds(tp.grpo, p.round):  # and the round's own right answers, or every round's
+            p.read("verify", r)
+            if r < p.round:
+                p.read("generate", r)
+                p.read("filter", r)
         return inputs
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
@@ -241,11 +240,13 @@ def _ptx_pools(spec: StageSpec) -> tuple[PtxPool, PtxPool]:
         return ([], []), ([], [])
     demos = selected(spec, 0, demos_only=True)
     tids = sorted(demos)
-    if g.ptx_pool == "demonstrations":
-        return (tids, sft_examples(spec, [demos[t] for t in tids])), ([], [])
+    pool = (tids, sft_examples(spec, [demos[t] for t in tids]))
+    rounds = _imitated_rounds(g, spec.round)
+    if not rounds:
+        return pool, ([], [])
     own: dict[tuple[str, str], dict[str, Any]] = {}
     right: set[str] = set()
-    for r in range(1 if g.ptx_pool == "all_right_answers" else spec.round, spec.round + 1):
+    for r in rounds:
         ok = {v["trajectory_id"] for v in spec.rows("verify", "verifications", round=r) if v["correct"]}
         ok -= {a["trajectory_id"] for a in spec.rows("filter", "advantages", round=r)
                if a["turn_index"] == -1 and a["steps_checked"] is False}
@@ -257,8 +258,15 @@ def _ptx_pools(spec: StageSpec) -> tuple[PtxPool, PtxPool]:
     log("train_policy", f"self-imitation: {len(own)} distinct right answers of {len(right)}"
                         + (f" from rounds 1-{spec.round}" if g.ptx_pool == "all_right_answers" else "")
                         + f" beside {len(tids)} demonstrations in each ptx batch")
-    return (tids, sft_examples(spec, [demos[t] for t in tids])), (
-        [(t["trajectory_id"], t["round"]) for t in own.values()], sft_examples(spec, list(own.values())))
+    return pool, ([(t["trajectory_id"], t["round"]) for t in own.values()], sft_examples(spec, list(own.values())))
+
+
+def _imitated_rounds(g: Any, round: int) -> range:
+    """The rounds whose right answers train_policy.grpo.ptx_pool imitates in `round`: none (demonstrations), this
+    one (right_answers), or 1 to this one (all_right_answers)."""
+    if g.ptx_pool == "demonstrations":
+        return range(0)
+    return range(1 if g.ptx_pool == "all_right_answers" else round, round + 1)
 
 
 def _masked(ids: list[int], mask: list[int]) -> dict[str, list[int]]:
