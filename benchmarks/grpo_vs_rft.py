@@ -11,13 +11,13 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
-- any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm]`
-  (with `--arms`): that rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
-  (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`), the round-0
-  demonstrations beside the policy gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of
-  those the round's own right answers (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and
-  step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), which the report sets
-  against the same arm without it.
+- any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
+  [-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N problems a level, sampling only the L hardest
+  learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`)
+  sampled at temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations beside the policy
+  gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's own right answers
+  (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and step credit from the implicit PRM or
+  from a PRM the rounds train (as in grpo_shaping.py), which the report sets against the same arm without it.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -65,20 +65,23 @@ SHAPING = {
 }
 # An arm's numeric parts (ARM's named groups) and the config key each sets, in the order the overrides list them.
 SETTINGS = {"problems": "generate.problems_per_level", "levels": "curriculum.max_levels",
-            "group": "generate.samples_per_problem", "iterations": "train_policy.grpo.num_iterations"}
+            "group": "generate.samples_per_problem", "iterations": "train_policy.grpo.num_iterations",
+            "temperature": "generate.temperature"}
 PTX = {"ptx_batch": "train_policy.grpo.ptx_batch_size"}  # the same, after ptx_weight
 ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p(?P<problems>[0-9]+))?"
                  r"(?:-top(?P<levels>[0-9]+))?(?:-g(?P<group>[0-9]+))?"
-                 r"(?:-it(?P<iterations>[0-9]+))?(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
+                 r"(?:-it(?P<iterations>[0-9]+))?(?:-t(?P<temperature>[0-9.]+))?"
+                 r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
                  r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked)?"
                  r"(?:-(?P<credit>implicit|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm]`:
-    the rate, decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a
-    level a round from the L hardest learnable levels in groups of G, K passes over its rollouts, the round-0
+    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
+    [-implicit|-prm]`: the rate, decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md,
+    "Why"), N problems a level a round from the L hardest learnable levels in groups of G, K passes over its
+    rollouts sampled at temperature T, the round-0
     demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
     (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool
     right_answers) or every round's (`-silall`: all_right_answers), rft's step checker on the right answers
@@ -100,6 +103,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['curriculum.max_levels=1', 'generate.samples_per_problem=16']
     >>> arm_overrides("grpo-lr1e-4-p64-top1-it8-ptx-checked")[1][-2:]
     ['train_policy.grpo.ptx_weight=1', 'filter.check_steps=true']
+    >>> arm_overrides("grpo-lr1e-4-top1-it8-t0.8-ptx")[1][-2:]
+    ['generate.temperature=0.8', 'train_policy.grpo.ptx_weight=1']
     >>> arm_overrides("grpo-lr1e-4-top1-it8-ptx-pb32-sil-checked")[1][-3:]
     ['train_policy.grpo.ptx_batch_size=32', 'train_policy.grpo.ptx_pool=right_answers', 'filter.check_steps=true']
     >>> arm_overrides("grpo-lr1e-4-ptx-silall")[1][-1]
@@ -108,7 +113,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -117,7 +122,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     m = ARM.fullmatch(arm)
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
-                                         "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-ptx[<W>]]"
+                                         "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
                                          "[-pb<B>][-sil[all]][-checked][-implicit|-prm]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
