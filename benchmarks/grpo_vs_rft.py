@@ -12,12 +12,13 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
 - any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-  [-implicit|-prm]` (with `--arms`): that rate, constant or decayed, N problems a level, sampling only the L hardest
-  learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`)
-  sampled at temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations beside the policy
-  gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's own right answers
-  (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and step credit from the implicit PRM or
-  from a PRM the rounds train (as in grpo_shaping.py), which the report sets against the same arm without it.
+  [-implicit|-prm|-prmmin]` (with `--arms`): that rate, constant or decayed, N problems a level, sampling only the
+  L hardest learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts
+  (`num_iterations`) sampled at temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations
+  beside the policy gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's
+  own right answers (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and step credit from
+  the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), or that PRM's lowest step score in the
+  reward (`-prmmin`), which the report sets against the same arm without it.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -57,11 +58,15 @@ ARMS = {
 HARDEST = 3
 # Step credit at weight 0.5 (benchmarks/grpo_shaping.py): from the implicit PRM, or from a PRM grpo's rounds train
 # on Monte Carlo step labels (k=2), whose labelling rollouts count in the arm's tokens.
+# `prmmin` is the same PRM's lowest step score added to each rollout's reward instead (credit=trajectory; the PPO
+# reward of Math-Shepherd, Wang et al. 2024), the nearest a PRM comes to rft's step checker, which zeroes a right
+# answer with one unsound step.
 STEP = ["train_policy.grpo.credit=step", "train_policy.grpo.shaping_weight=0.5"]
+PRM = ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=100", "score.reward_model=prm"]
 SHAPING = {
     "implicit": ["score.reward_model=implicit", *STEP],
-    "prm": ["score.mc_rollouts=2", "train_reward.enabled=true", "train_reward.steps=100", "score.reward_model=prm",
-            *STEP],
+    "prm": [*PRM, *STEP],
+    "prmmin": [*PRM, "train_policy.grpo.shaping_aggregate=min", "train_policy.grpo.shaping_weight=0.5"],
 }
 # An arm's numeric parts (ARM's named groups) and the config key each sets, in the order the overrides list them.
 SETTINGS = {"problems": "generate.problems_per_level", "levels": "curriculum.max_levels",
@@ -73,19 +78,19 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
                  r"(?:-it(?P<iterations>[0-9]+))?(?:-t(?P<temperature>[0-9.]+))?"
                  r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
                  r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked)?"
-                 r"(?:-(?P<credit>implicit|prm))?")
+                 r"(?:-(?P<credit>implicit|prmmin|prm))?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
     `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-    [-implicit|-prm]`: the rate, decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md,
-    "Why"), N problems a level a round from the L hardest learnable levels in groups of G, K passes over its
-    rollouts sampled at temperature T, the round-0
-    demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
-    (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool
-    right_answers) or every round's (`-silall`: all_right_answers), rft's step checker on the right answers
-    (filter.check_steps: a right answer whose steps fail it earns 0), and step credit.
+    [-implicit|-prm|-prmmin]`: the rate, decayed to 0 over each round's steps as rft's SFT rounds end
+    (docs/grpo.md, "Why"), N problems a level a round from the L hardest learnable levels in groups of G, K passes
+    over its rollouts sampled at temperature T, the round-0 demonstrations' NLL at weight W (default 1) beside the
+    policy gradient (PPO-ptx), B examples a ptx batch (`ptx_batch_size`), half of them the round's own right
+    answers (`-sil`, self-imitation: ptx_pool right_answers) or every round's (`-silall`: all_right_answers), rft's
+    step checker on the right answers (filter.check_steps: a right answer whose steps fail it earns 0), and step
+    credit, or a trained PRM's lowest step score in the reward (`-prmmin`).
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -109,11 +114,15 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['train_policy.grpo.ptx_batch_size=32', 'train_policy.grpo.ptx_pool=right_answers', 'filter.check_steps=true']
     >>> arm_overrides("grpo-lr1e-4-ptx-silall")[1][-1]
     'train_policy.grpo.ptx_pool=all_right_answers'
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmmin")[1][-3:]
+    ['score.reward_model=prm', 'train_policy.grpo.shaping_aggregate=min', 'train_policy.grpo.shaping_weight=0.5']
+    >>> unshaped("grpo-lr1e-4-ptx-sil-prmmin")
+    'grpo-lr1e-4-ptx-sil'
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm|-prmmin]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -123,7 +132,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
-                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm]")
+                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm|-prmmin]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
