@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from itertools import groupby
 from pathlib import Path
+from statistics import fmean
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -51,8 +53,8 @@ def main() -> None:
     print(f"{args.experiment}: {scorer} {g.shaping_aggregate} step score at shaping_weight {g.shaping_weight}, "
           "on each round's right answers, against the step checker"
           + (" (credit=step shaped each step; this is their aggregate)" if g.credit == "step" else ""))
-    for rnd in sorted({r["round"] for r in rows}):
-        these = [r for r in rows if r["round"] == rnd]
+    for rnd, group in groupby(rows, key=lambda r: r["round"]):  # the query orders by round
+        these = list(group)
         score = {r["trajectory_id"]: r["value"] for r in these}
         checker = {r["trajectory_id"]: domain.check_steps(r["prompt"], r["completion"]) for r in these}
         sound = [score[t] for t, ok in checker.items() if ok is True]
@@ -61,11 +63,10 @@ def main() -> None:
             print(f"round {rnd}: {len(sound)} sound, {len(unsound)} unsound: nothing to rank")
             continue
         rank = judge_ranking(score, checker)
-        gap = sum(sound) / len(sound) - sum(unsound) / len(unsound)
+        good, bad = fmean(sound), fmean(unsound)
         print(f"round {rnd}: {len(sound) + len(unsound)} right, {len(unsound)} unsound; AUC {rank['judge_auc']:.3f}, "
-              f"hindsight catch at 5% {rank['judge_hindsight_catch']:.3f}; mean score sound "
-              f"{sum(sound) / len(sound):.3f}, unsound {sum(unsound) / len(unsound):.3f}; reward gap "
-              f"{g.shaping_weight * gap:+.3f} (the checker's: 1)")
+              f"hindsight catch at 5% {rank['judge_hindsight_catch']:.3f}; mean score sound {good:.3f}, unsound "
+              f"{bad:.3f}; reward gap {g.shaping_weight * (good - bad):+.3f} (the checker's: 1)")
 
 
 if __name__ == "__main__":
