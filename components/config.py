@@ -295,7 +295,10 @@ class FilterConfig(_Section):
                            "step reached the answer, so the step is likely wrong (Math-Shepherd).")
     min_step_score: float | None = Field(
         None, ge=0.0, le=1.0, description="Drop a right answer whose weakest step the judge (see judge) scores "
-                                          "below this: the PRM as a learned step checker (no effect before a PRM exists).")
+                                          "below this: the PRM as a learned step checker (no effect before a PRM "
+                                          "exists). Under recipe grpo the round's reward model judges which right "
+                                          "answers self-imitation (train_policy.grpo.ptx_pool) trains on; their "
+                                          "rewards are left alone.")
     judge: Literal["previous", "round"] = Field(
         "previous", exclude_if=lambda v: v == "previous",
         description="Which PRM judges the round's right answers against min_step_score. 'previous': the previous "

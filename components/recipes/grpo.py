@@ -8,7 +8,8 @@ advantages, and trains a clipped policy gradient with TRL's GRPOTrainer on them 
 - train_reward (with `train_reward.enabled`): the round's PRM on its Monte Carlo step labels, which shapes the
   next round's rewards (`train_policy.grpo.shaping_weight`, per step with `credit: step`);
 - filter: each rollout's advantage (`advantages` in the store); groups whose rewards are all equal are dropped
-  (DAPO's dynamic sampling), and `filter.max_groups` caps the rest;
+  (DAPO's dynamic sampling), and `filter.max_groups` caps the rest; with `filter.min_step_score` the reward model
+  judges which right answers self-imitation trains on (`selections`, purpose ptx);
 - train_policy (`method: grpo`): `train_policy.grpo`'s loss on the kept groups, starting from the policy that
   sampled them;
 - evaluate.
@@ -44,6 +45,15 @@ def check(cfg) -> None:
             raise ValueError(f"{where_rm}, and score.reward_model=none: set score.reward_model=implicit (or prm with "
                              "train_reward.enabled, or a reward model by dotted path), or credit=step with "
                              "score.mc_rollouts > 0 (Monte Carlo step values)")
+    if cfg.filter.min_step_score is not None:
+        judges = f"filter.min_step_score={cfg.filter.min_step_score} judges which right answers self-imitation trains on"
+        if g.ptx_pool == "demonstrations":
+            raise ValueError(f"{judges}, and train_policy.grpo.ptx_pool=demonstrations imitates none: set ptx_pool to "
+                             "right_answers or all_right_answers, or leave filter.min_step_score unset")
+        if rm in ("none", "orm"):
+            raise ValueError(f"{judges} by their weakest step, and score.reward_model={rm} scores no steps: set "
+                             "score.reward_model=prm (with train_reward.enabled), implicit, or a step reward model by "
+                             "dotted path")
     if tp.init != "previous":
         raise ValueError(f"{where} trains the policy that sampled the round: set train_policy.init=previous")
     if cfg.generate.top_p != 1.0:
@@ -66,7 +76,7 @@ UNUSED = {"train_policy.steps": "train_policy.grpo.num_iterations", "train_polic
           "train_policy.replay_ratio": "train_policy.grpo.ptx_weight", "train_policy.gradient_accumulation_steps": None,
           "filter.dedup": None, "filter.max_per_problem": "filter.max_groups",
           "filter.rank_by": "train_policy.grpo.shaping_aggregate", "filter.drop_mc_bad_steps": None,
-          "filter.min_step_score": None, "filter.judge": None, "filter.judge_max_drop": None,
+          "filter.judge": None,
           "filter.max_pairs_per_problem": None}
 
 

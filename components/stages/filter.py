@@ -157,6 +157,10 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
                    "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}
                   for r in rows]
+    judged: dict[str, float] = {}
+    if cfg.filter.min_step_score is not None:
+        ptx, judged = ptx_judge(spec, trajs, outcome, score_rows, failed)
+        selections += ptx
     write(out, advantages=rows + turn_rows, selections=selections)
     groups = {r["group_id"] for r in rows}
     kept = {r["group_id"] for r in rows if r["kept"]}
@@ -170,7 +174,44 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
             "considered": len(rows), "zero_variance_share": share,
             "reward_mean": sum(r["reward"] for r in rows) / max(len(rows), 1),
             **({"step_credit_rollouts": len(process)} if g.credit == "step" else {}),
-            **({"steps_failed": len(failed), "steps_checked": len(checked)} if checked else {})}
+            **({"steps_failed": len(failed), "steps_checked": len(checked)} if checked else {}), **judged}
+
+
+def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, float],
+              score_rows: list[dict[str, Any]], failed: list[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """filter.min_step_score under recipe grpo: the round's reward model judges which right answers self-imitation
+    (train_policy.grpo.ptx_pool) may train on, as rft's filter judges what its SFT trains on. A right answer whose
+    weakest step scores below the threshold (lowered by filter.judge_max_drop, as rft's) is left out, as one whose
+    steps fail filter.check_steps is; its reward is left alone. Returns a `selections` row (purpose ptx) for every
+    right answer, and the filter's metrics: how many the judge left out, and where the domain has a step checker,
+    how the judge agrees with it (evaluation only, as rft's filter reports)."""
+    from components.filtering import judge_catch_rates, judge_ranking, judge_threshold
+
+    f = spec.cfg().filter
+    right = [t for t in trajs if outcome[t["trajectory_id"]] > 0 or t["trajectory_id"] in failed]
+    weakest, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], "min")
+    weakest = {t["trajectory_id"]: weakest[t["trajectory_id"]] for t in right if t["trajectory_id"] in weakest}
+    threshold = judge_threshold(list(weakest.values()), f.min_step_score, f.judge_max_drop)
+    out = {t: f"{source}: weakest step {v:.3f} < min_step_score {threshold:.3f}"
+           for t, v in weakest.items() if v < threshold}
+    log("filter", f"filter.min_step_score: the {source} judge leaves {len(out)} of {len(weakest)} right answers out "
+                  f"of self-imitation (threshold {threshold:.3f})" if weakest else
+                  "filter.min_step_score: no reward-model step scores this round: the judge leaves no right answer "
+                  "out of self-imitation")
+    rows = [{"trajectory_id": t["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
+             "purpose": "ptx", "selected": t["trajectory_id"] not in out and t["trajectory_id"] not in failed,
+             "rank": None, "pair_id": None,
+             "reason": out.get(t["trajectory_id"]) or ("steps do not check" if t["trajectory_id"] in failed
+                                                      else "right answer")} for t in right]
+    metrics = {"ptx_judged_out": float(len(out))}
+    if weakest:
+        metrics["judge_min_step_score"] = threshold
+        checker = steps_checked(domain_of(spec), [t for t in right if t["trajectory_id"] in weakest],
+                                dict.fromkeys(weakest, 1.0))
+        if checker:  # evaluation only: the checker measures the judge, whether or not it zeroes rewards
+            metrics |= judge_catch_rates(dict.fromkeys(weakest, True), checker, out)
+            metrics |= judge_ranking(weakest, checker)
+    return rows, metrics
 
 
 def steps_checked(domain: Any, trajs: list[dict[str, Any]], outcome: dict[str, float]) -> dict[str, bool]:

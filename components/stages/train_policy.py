@@ -234,7 +234,7 @@ def _ptx_pools(spec: StageSpec) -> tuple[PtxPool, PtxPool]:
     """What PPO-ptx trains on, as SFT reads it ({"prompt", "completion"}, or an episode's {"messages"}), in a
     fixed order: the round-0 demonstrations (ptx_weight > 0), then the round's own right answers (ptx_pool
     right_answers), or every round's (all_right_answers): every group's, one of each distinct completion of a
-    problem, without those whose steps failed the filter's checker."""
+    problem, without those whose steps failed the filter's checker or that its judge left out (ptx selections)."""
     g = spec.cfg().train_policy.grpo
     if g.ptx_weight <= 0:
         return ([], []), ([], [])
@@ -250,6 +250,8 @@ def _ptx_pools(spec: StageSpec) -> tuple[PtxPool, PtxPool]:
         ok = {v["trajectory_id"] for v in spec.rows("verify", "verifications", round=r) if v["correct"]}
         ok -= {a["trajectory_id"] for a in spec.rows("filter", "advantages", round=r)
                if a["turn_index"] == -1 and a["steps_checked"] is False}
+        ok -= {s["trajectory_id"] for s in spec.rows("filter", "selections", round=r)  # filter.min_step_score's judge
+               if s["purpose"] == "ptx" and not s["selected"]}
         right |= ok
         for t in sorted(spec.rows("generate", "trajectories", round=r),
                         key=lambda t: (t["problem_id"], t["sample_index"])):

@@ -203,7 +203,8 @@ JOIN trajectories t USING (trajectory_id)
 LEFT JOIN selections sel ON sel.trajectory_id = mi.trajectory_id AND sel.selected
     AND sel.purpose = CASE WHEN m.role IN ('prm', 'orm') THEN 'reward_train'
                            WHEN mi.use LIKE 'dpo_%' THEN mi.use WHEN mi.use = 'step_dpo_rejected' THEN 'step_dpo'
-                           WHEN mi.use IN ('grpo', 'grpo+ptx') THEN 'grpo' ELSE 'policy_sft' END;
+                           WHEN mi.use IN ('grpo', 'grpo+ptx') THEN 'grpo' WHEN mi.use = 'ptx' THEN 'ptx'
+                           ELSE 'policy_sft' END;
 
 CREATE OR REPLACE VIEW v_rl_round AS
 -- A grpo round's learning signal: its groups and rewards (the filter's `advantages`), and what training did

@@ -215,27 +215,31 @@ def test_ptx_trains_the_demonstrations_beside_the_rollouts(grpo_run):
 def sil_run(grpo_run):
     """Two rounds from grpo_run's round-0 policy with self-imitation of every round's right answers (ptx_pool
     all_right_answers) and the step checker, outcome rewards alone. Sampled at temperature 0.6, some groups'
-    rollouts are all right: they have no signal and are dropped."""
+    rollouts are all right: they have no signal and are dropped. The implicit PRM judges which right answers are
+    imitated (filter.min_step_score; it scores from round 2): those whose weakest step's log-ratio is below 0, at
+    most 30% of a round's."""
     from flows.evolution import self_evolution
 
     cfg, store, flat, _ = grpo_run
     overrides = [f"workdir={cfg.workdir}", *SMALL, "experiment=micro-grpo-sil", "generate.temperature=0.6",
                  f"policy.model={store.committed_model(cfg.experiment, 0, 'policy')['uri']}", "bootstrap.steps=0",
                  "train_policy.grpo.ptx_weight=0.5", "train_policy.grpo.ptx_pool=all_right_answers",
-                 "filter.check_steps=true"]
+                 "filter.check_steps=true", "score.reward_model=implicit", "filter.min_step_score=0",
+                 "filter.judge_max_drop=0.3"]
     self_evolution(config_path=str(CONFIG), overrides=overrides)
     return store, load_config(CONFIG, overrides)
 
 
 # ptx_pool all_right_answers: round R's policy imitates the right answers of rounds 1..R that pass the step
-# checker, one per distinct completion of a problem (its first sample), 'grpo+ptx' where it is one of round R's
-# rollouts that trained on their advantage too.
+# checker and the judge, one per distinct completion of a problem (its first sample), 'grpo+ptx' where it is one of
+# round R's rollouts that trained on their advantage too.
 IMITATED = """
 WITH right_answers AS (
     SELECT t.trajectory_id, t.round, t.problem_id, t.completion, t.sample_index, a.kept
     FROM trajectories t JOIN verifications v USING (trajectory_id) JOIN advantages a USING (trajectory_id)
     WHERE t.experiment_id = ? AND t.purpose = 'train' AND a.turn_index = -1 AND v.correct
       AND a.steps_checked IS DISTINCT FROM false
+      AND trajectory_id NOT IN (SELECT trajectory_id FROM selections WHERE purpose = 'ptx' AND NOT selected)
 ), first AS (
     SELECT r.round AS trained_round, arg_min(a.trajectory_id, (a.round, a.sample_index)) AS trajectory_id
     FROM (SELECT DISTINCT round FROM right_answers) r JOIN right_answers a ON a.round <= r.round
@@ -273,6 +277,41 @@ def test_self_imitation_trains_every_rounds_sound_right_answers(sil_run, tmp_pat
     _, lineage = store.query("SELECT count(*) FILTER (WHERE selected_for = 'grpo'), count(*) FROM v_lineage WHERE "
                              "experiment_id = ? AND use = 'grpo+ptx'", [sil.experiment])
     assert lineage[0][0] == lineage[0][1] > 0  # a rollout imitated too is still the filter's grpo selection
+
+
+def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_step(sil_run):
+    """filter.min_step_score under grpo: every right answer has a ptx selection. Round 1 has no implicit PRM yet, so
+    the checker alone turns answers away; in round 2 the judge leaves out exactly the right answers whose weakest
+    step scores below the threshold the filter used (0, or lower where more than 30% would fall below it), naming
+    the score, and their rewards stay the verifier's. The filter reports how the judge agrees with the checker."""
+    store, sil = sil_run
+    cols, rows = store.query(
+        "SELECT t.round, s.selected, s.reason, a.steps_checked, a.outcome, v.reward, j.value AS weakest FROM "
+        "selections s JOIN trajectories t USING (trajectory_id) JOIN advantages a USING (trajectory_id) "
+        "JOIN verifications v USING (trajectory_id) LEFT JOIN scores j ON j.trajectory_id = s.trajectory_id "
+        "AND j.scorer = 'implicit' AND j.aggregate = 'min' WHERE s.experiment_id = ? AND s.purpose = 'ptx' "
+        "AND a.turn_index = -1", [sil.experiment])
+    rows = [dict(zip(cols, r)) for r in rows]
+    _, right = store.query("SELECT count(*) FROM verifications v JOIN trajectories t USING (trajectory_id) "
+                           "WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct", [sil.experiment])
+    assert len(rows) == right[0][0] > 0
+    _, metrics = store.query("SELECT round, metrics_json FROM stage_runs WHERE experiment_id = ? AND stage = 'filter' "
+                             "AND status = 'committed' ORDER BY round", [sil.experiment])
+    metrics = {r: json.loads(m) for r, m in metrics}
+    for r in rows:
+        judged = r["round"] == 2 and r["weakest"] < metrics[2]["judge_min_step_score"]
+        assert r["selected"] is (r["steps_checked"] is not False and not judged)
+        assert r["reason"].startswith("implicit min: weakest step") is judged
+        if r["steps_checked"]:
+            assert r["outcome"] == r["reward"]  # the judge leaves rewards alone
+    assert all(r["weakest"] is None for r in rows if r["round"] == 1)
+    out = sum(r["reason"].startswith("implicit") for r in rows)
+    assert 0 < out <= 0.3 * sum(r["round"] == 2 for r in rows)
+    assert metrics[1]["ptx_judged_out"] == 0 and metrics[2]["ptx_judged_out"] == out
+    assert metrics[2]["judge_min_step_score"] <= 0 and 0 <= metrics[2]["judge_auc"] <= 1
+    _, lineage = store.query("SELECT count(*) FILTER (WHERE selected_for = 'ptx'), count(*) FROM v_lineage WHERE "
+                             "experiment_id = ? AND use = 'ptx' AND source_round > 0", [sil.experiment])
+    assert lineage[0][0] == lineage[0][1] > 0  # an imitated right answer names its ptx selection
 
 
 def test_the_step_checker_zeroes_the_right_answers_whose_steps_fail(grpo_run):

@@ -56,6 +56,11 @@ def test_micro_grpo_config_loads(repo):
                                                                        "greater than or equal to 0"),
     ({"train_policy": {"method": "grpo", "grpo": {"ptx_pool": "right_answers"}}},
      "train_policy.grpo.ptx_pool=right_answers trains on nothing at ptx_weight=0"),
+    ({"filter": {"min_step_score": 0.5}, "score": {"reward_model": "implicit"}},
+     "ptx_pool=demonstrations imitates none"),
+    ({"filter": {"min_step_score": 0.5},
+      "train_policy": {"method": "grpo", "grpo": {"ptx_weight": 1, "ptx_pool": "right_answers"}}},
+     "score.reward_model=none scores no steps"),
 ])
 def test_config_refuses_what_grpo_cannot_train(sections, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
@@ -68,9 +73,10 @@ def test_rfts_settings_that_grpo_never_reads_are_named(repo):
     from components.recipes import get_recipe
 
     assert get_recipe("grpo").unused(load_config(repo / "configs" / "micro-grpo.yaml")) == []
-    cfg = _cfg(train_policy={"method": "grpo", "learning_rate": 1e-5}, filter={"min_step_score": 0.5, "dedup": True})
+    cfg = _cfg(train_policy={"method": "grpo", "learning_rate": 1e-5}, filter={"drop_mc_bad_steps": True,
+                                                                              "dedup": True})
     assert get_recipe("grpo").unused(cfg) == ["train_policy.learning_rate=1e-05 (grpo reads "
-                                              "train_policy.grpo.learning_rate)", "filter.min_step_score=0.5"]
+                                              "train_policy.grpo.learning_rate)", "filter.drop_mc_bad_steps=True"]
     assert get_recipe("rft").unused(cfg) == []
     # and the other way: rft and coevo name grpo's own settings
     rft = load_config(repo / "configs" / "micro.yaml", ["train_policy.grpo.learning_rate=1e-4"])
