@@ -12,13 +12,17 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
 - any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-  [-implicit|-prm|-prmmin][<S>]` (with `--arms`): that rate, constant or decayed, N problems a level, sampling
+  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]` (with `--arms`): that rate, constant or decayed, N problems a level, sampling
   only the L hardest learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts
   (`num_iterations`) sampled at temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations
   beside the policy gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's
   own right answers (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and step credit from
   the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), or that PRM's lowest step score in the
-  reward (`-prmmin`), each at weight S (default 0.5), which the report sets against the same arm without it.
+  reward (`-prmmin`), each at weight S (default 0.5), which the report sets against the same arm without it;
+  `-oracle` and `-oraclemin` are the last two with arith's exact step labels for the PRM's scores
+  (benchmarks/oracle_prm.py): what a PRM that ranks as the checker does would pay; `-prmjudge` and `-oraclejudge`
+  shape nothing: the trained PRM, or the exact labels, judge which right answers `-sil` imitates; `-prml`,
+  `-prmlmin` and `-prmljudge` train the PRM with arith-coevo.yaml's likelihood head instead of the classifier.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -68,6 +72,21 @@ SHAPING = {
     "prm": [*PRM, *STEP],
     "prmmin": [*PRM, "train_policy.grpo.shaping_aggregate=min", "train_policy.grpo.shaping_weight=0.5"],
 }
+# The same two with arith's exact step labels for scores (benchmarks/oracle_prm.py): what a PRM that ranks as the
+# step checker does would pay. No rollouts, no training.
+ORACLE = ["score.reward_model=benchmarks.oracle_prm:OracleStepPRM"]
+SHAPING |= {"oracle": [*ORACLE, *STEP],
+            "oraclemin": [*ORACLE, "train_policy.grpo.shaping_aggregate=min", "train_policy.grpo.shaping_weight=0.5"]}
+# Or no shaping: the reward model judges which right answers self-imitation (-sil) trains on, as rft's filter
+# judges its SFT data: filter.min_step_score on the weakest step; the trained PRM's threshold capped to leave out
+# at most 30% of a round's right answers (filter.judge_max_drop, as the coevo judge's in prm-without-checker.md).
+SHAPING |= {"prmjudge": [*PRM, "filter.min_step_score=0.5", "filter.judge_max_drop=0.3"],
+            "oraclejudge": [*ORACLE, "filter.min_step_score=0.5"]}
+# `prml...`: the same three with the PRM arith-coevo.yaml trains instead of the classifier: the likelihood head (a
+# step scores by its least likely token under the PRM's own LM head), kept a language model on the demonstrations.
+PRML = [*PRM, "train_reward.head=likelihood", "train_reward.lm_weight=1", "train_reward.demos=true"]
+SHAPING |= {"prml": [*PRML, *STEP], "prmlmin": [*PRML, *SHAPING["prmmin"][len(PRM):]],
+            "prmljudge": [*PRML, *SHAPING["prmjudge"][len(PRM):]]}
 # An arm's numeric parts (ARM's named groups) and the config key each sets, in the order the overrides list them.
 SETTINGS = {"problems": "generate.problems_per_level", "levels": "curriculum.max_levels",
             "group": "generate.samples_per_problem", "iterations": "train_policy.grpo.num_iterations",
@@ -78,19 +97,22 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
                  r"(?:-it(?P<iterations>[0-9]+))?(?:-t(?P<temperature>[0-9.]+))?"
                  r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
                  r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked)?"
-                 r"(?:-(?P<credit>implicit|prmmin|prm)(?P<shaping>[0-9.]+)?)?")
+                 r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle)(?P<shaping>[0-9.]+)?)?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
     `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-    [-implicit|-prm|-prmmin][<S>]`: the rate, decayed to 0 over each round's steps as rft's SFT rounds end
+    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]`: the rate, decayed to 0 over each round's steps as rft's SFT rounds end
     (docs/grpo.md, "Why"), N problems a level a round from the L hardest learnable levels in groups of G, K passes
     over its rollouts sampled at temperature T, the round-0 demonstrations' NLL at weight W (default 1) beside the
     policy gradient (PPO-ptx), B examples a ptx batch (`ptx_batch_size`), half of them the round's own right
     answers (`-sil`, self-imitation: ptx_pool right_answers) or every round's (`-silall`: all_right_answers), rft's
     step checker on the right answers (filter.check_steps: a right answer whose steps fail it earns 0), and step
-    credit, or a trained PRM's lowest step score in the reward (`-prmmin`), either at weight S (default 0.5).
+    credit, or a trained PRM's lowest step score in the reward (`-prmmin`), either at weight S (default 0.5), or
+    the same from arith's exact step labels (`-oracle`, `-oraclemin`), or either judging which right answers
+    self-imitation trains on, no shaping (`-prmjudge`, `-oraclejudge`: filter.min_step_score); `prml` for `prm`:
+    the PRM's likelihood head.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -118,11 +140,17 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['score.reward_model=prm', 'train_policy.grpo.shaping_aggregate=min', 'train_policy.grpo.shaping_weight=0.5']
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmmin2")[1][-1], unshaped("grpo-lr1e-4-ptx-sil-prmmin2")
     ('train_policy.grpo.shaping_weight=2', 'grpo-lr1e-4-ptx-sil')
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-oraclemin")[1][-3:-1], unshaped("grpo-lr1e-4-ptx-sil-oracle")
+    (['score.reward_model=benchmarks.oracle_prm:OracleStepPRM', 'train_policy.grpo.shaping_aggregate=min'], 'grpo-lr1e-4-ptx-sil')
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmjudge")[1][-2:], unshaped("grpo-lr1e-4-ptx-sil-oraclejudge")
+    (['filter.min_step_score=0.5', 'filter.judge_max_drop=0.3'], 'grpo-lr1e-4-ptx-sil')
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmljudge")[1][-5:-2]
+    ['train_reward.head=likelihood', 'train_reward.lm_weight=1', 'train_reward.demos=true']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm|-prmmin][<S>]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -132,7 +160,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
-                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm|-prmmin][<S>]")
+                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
