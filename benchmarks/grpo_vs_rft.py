@@ -12,8 +12,8 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
   is reported against every rft arm;
 - any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]` (with `--arms`): that rate, constant or decayed, N problems a level, sampling
-  only the L hardest learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts
+  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]` (with `--arms`): that rate,
+  constant or decayed, N problems a level, sampling only the L hardest learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts
   (`num_iterations`) sampled at temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations
   beside the policy gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's
   own right answers (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and step credit from
@@ -97,22 +97,23 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
                  r"(?:-it(?P<iterations>[0-9]+))?(?:-t(?P<temperature>[0-9.]+))?"
                  r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
                  r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked)?"
-                 r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle)(?P<shaping>[0-9.]+)?)?")
+                 r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle)"
+                 r"(?P<shaping>[0-9.]+)?)?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
     `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]`: the rate, decayed to 0 over each round's steps as rft's SFT rounds end
-    (docs/grpo.md, "Why"), N problems a level a round from the L hardest learnable levels in groups of G, K passes
-    over its rollouts sampled at temperature T, the round-0 demonstrations' NLL at weight W (default 1) beside the
-    policy gradient (PPO-ptx), B examples a ptx batch (`ptx_batch_size`), half of them the round's own right
-    answers (`-sil`, self-imitation: ptx_pool right_answers) or every round's (`-silall`: all_right_answers), rft's
-    step checker on the right answers (filter.check_steps: a right answer whose steps fail it earns 0), and step
-    credit, or a trained PRM's lowest step score in the reward (`-prmmin`), either at weight S (default 0.5), or
-    the same from arith's exact step labels (`-oracle`, `-oraclemin`), or either judging which right answers
-    self-imitation trains on, no shaping (`-prmjudge`, `-oraclejudge`: filter.min_step_score); `prml` for `prm`:
-    the PRM's likelihood head.
+    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]`: the rate, decayed to 0 over
+    each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L hardest
+    learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
+    demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
+    (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool right_answers)
+    or every round's (`-silall`: all_right_answers), rft's step checker on the right answers (filter.check_steps: a
+    right answer whose steps fail it earns 0), and step credit, or a trained PRM's lowest step score in the reward
+    (`-prmmin`), either at weight S (default 0.5), or the same from arith's exact step labels (`-oracle`,
+    `-oraclemin`), or either judging which right answers self-imitation trains on, no shaping (`-prmjudge`,
+    `-oraclejudge`: filter.min_step_score); `prml` for `prm`: the PRM's likelihood head.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -140,8 +141,10 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['score.reward_model=prm', 'train_policy.grpo.shaping_aggregate=min', 'train_policy.grpo.shaping_weight=0.5']
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmmin2")[1][-1], unshaped("grpo-lr1e-4-ptx-sil-prmmin2")
     ('train_policy.grpo.shaping_weight=2', 'grpo-lr1e-4-ptx-sil')
-    >>> arm_overrides("grpo-lr1e-4-ptx-sil-oraclemin")[1][-3:-1], unshaped("grpo-lr1e-4-ptx-sil-oracle")
-    (['score.reward_model=benchmarks.oracle_prm:OracleStepPRM', 'train_policy.grpo.shaping_aggregate=min'], 'grpo-lr1e-4-ptx-sil')
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-oraclemin")[1][-3:-1]
+    ['score.reward_model=benchmarks.oracle_prm:OracleStepPRM', 'train_policy.grpo.shaping_aggregate=min']
+    >>> unshaped("grpo-lr1e-4-ptx-sil-oracle")
+    'grpo-lr1e-4-ptx-sil'
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmjudge")[1][-2:], unshaped("grpo-lr1e-4-ptx-sil-oraclejudge")
     (['filter.min_step_score=0.5', 'filter.judge_max_drop=0.3'], 'grpo-lr1e-4-ptx-sil')
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmljudge")[1][-5:-2]
@@ -160,7 +163,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
-                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]")
+                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm[l]|-prm[l]min|-prm[l]judge"
+                                         "|-oracle|-oraclemin|-oraclejudge][<S>]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),

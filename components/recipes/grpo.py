@@ -46,7 +46,8 @@ def check(cfg) -> None:
                              "train_reward.enabled, or a reward model by dotted path), or credit=step with "
                              "score.mc_rollouts > 0 (Monte Carlo step values)")
     if cfg.filter.min_step_score is not None:
-        judges = f"filter.min_step_score={cfg.filter.min_step_score} judges which right answers self-imitation trains on"
+        judges = (f"filter.min_step_score={cfg.filter.min_step_score} judges which right answers self-imitation "
+                  "trains on")
         if g.ptx_pool == "demonstrations":
             raise ValueError(f"{judges}, and train_policy.grpo.ptx_pool=demonstrations imitates none: set ptx_pool to "
                              "right_answers or all_right_answers, or leave filter.min_step_score unset")
