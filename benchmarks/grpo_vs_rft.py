@@ -13,16 +13,17 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
   is reported against every rft arm;
 - any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
   [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]` (with `--arms`): that rate,
-  constant or decayed, N problems a level, sampling only the L hardest learnable levels (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts
-  (`num_iterations`) sampled at temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations
-  beside the policy gradient at weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's
-  own right answers (`-sil`) or every round's (`-silall`), rft's step checker (`-checked`), and step credit from
-  the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), or that PRM's lowest step score in the
-  reward (`-prmmin`), each at weight S (default 0.5), which the report sets against the same arm without it;
-  `-oracle` and `-oraclemin` are the last two with arith's exact step labels for the PRM's scores
-  (benchmarks/oracle_prm.py): what a PRM that ranks as the checker does would pay; `-prmjudge` and `-oraclejudge`
-  shape nothing: the trained PRM, or the exact labels, judge which right answers `-sil` imitates; `-prml`,
-  `-prmlmin` and `-prmljudge` train the PRM with arith-coevo.yaml's likelihood head instead of the classifier.
+  constant or decayed, N problems a level, sampling only the L hardest learnable levels (`curriculum.max_levels`) in
+  groups of G, K passes over each round's rollouts (`num_iterations`) sampled at temperature T (grpo's default 1.0;
+  rft samples at 0.8), the round-0 demonstrations beside the policy gradient at weight W (PPO-ptx, default 1), B of
+  them a forward pass, half of those the round's own right answers (`-sil`) or every round's (`-silall`), rft's step
+  checker (`-checked`), and step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py),
+  or that PRM's lowest step score in the reward (`-prmmin`), each at weight S (default 0.5), which the report sets
+  against the same arm without it; `-oracle` and `-oraclemin` are the last two with arith's exact step labels for the
+  PRM's scores (benchmarks/oracle_prm.py): what a PRM that ranks as the checker does would pay; `-prmjudge` and
+  `-oraclejudge` shape nothing: the trained PRM, or the exact labels, judge which right answers `-sil` imitates;
+  `-prml`, `-prmlmin` and `-prmljudge` train the PRM with arith-coevo.yaml's likelihood head instead of the
+  classifier.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
