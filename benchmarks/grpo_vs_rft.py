@@ -23,7 +23,8 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
   PRM's scores (benchmarks/oracle_prm.py): what a PRM that ranks as the checker does would pay; `-prmjudge` and
   `-oraclejudge` shape nothing: the trained PRM, or the exact labels, judge which right answers `-sil` imitates;
   `-prml`, `-prmlmin` and `-prmljudge` train the PRM with arith-coevo.yaml's likelihood head instead of the
-  classifier.
+  classifier. After a judge arm, the number S is the most the judge may leave out of a round's right answers
+  (`filter.judge_max_drop`, default 0.3 for a PRM), not a weight.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -83,6 +84,8 @@ SHAPING |= {"oracle": [*ORACLE, *STEP],
 # at most 30% of a round's right answers (filter.judge_max_drop, as the coevo judge's in prm-without-checker.md).
 SHAPING |= {"prmjudge": [*PRM, "filter.min_step_score=0.5", "filter.judge_max_drop=0.3"],
             "oraclejudge": [*ORACLE, "filter.min_step_score=0.5"]}
+# A judge arm's number is the most it may leave out of a round's right answers (filter.judge_max_drop), not a weight.
+NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge"], "filter.judge_max_drop")
 # `prml...`: the same three with the PRM arith-coevo.yaml trains instead of the classifier: the likelihood head (a
 # step scores by its least likely token under the PRM's own LM head), kept a language model on the demonstrations.
 PRML = [*PRM, "train_reward.head=likelihood", "train_reward.lm_weight=1", "train_reward.demos=true"]
@@ -150,6 +153,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     (['filter.min_step_score=0.5', 'filter.judge_max_drop=0.3'], 'grpo-lr1e-4-ptx-sil')
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmljudge")[1][-5:-2]
     ['train_reward.head=likelihood', 'train_reward.lm_weight=1', 'train_reward.demos=true']
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmljudge0.6")[1][-1]
+    'filter.judge_max_drop=0.6'
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
@@ -175,7 +180,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
                                          if m["sil"] else []),
                                        *(["filter.check_steps=true"] if m["checked"] else []),
                                        *(SHAPING[m["credit"]] if m["credit"] else []),
-                                       *([f"train_policy.grpo.shaping_weight={m['shaping']}"] if m["shaping"] else [])]
+                                       *([f"{NUMBER.get(m['credit'], 'train_policy.grpo.shaping_weight')}="
+                                          f"{m['shaping']}"] if m["shaping"] else [])]
 
 
 def unshaped(arm: str) -> str | None:
