@@ -159,7 +159,7 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
                   for r in rows]
     judged: dict[str, float] = {}
     if cfg.filter.min_step_score is not None:
-        ptx, judged = ptx_judge(spec, trajs, outcome, score_rows, failed)
+        ptx, judged = ptx_judge(spec, trajs, outcome, score_rows, checked)
         selections += ptx
     write(out, advantages=rows + turn_rows, selections=selections)
     groups = {r["group_id"] for r in rows}
@@ -177,17 +177,19 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
             **({"steps_failed": len(failed), "steps_checked": len(checked)} if checked else {}), **judged}
 
 
-def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, float],
-              score_rows: list[dict[str, Any]], failed: list[str]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, float], score_rows: list[dict[str, Any]],
+              checked: dict[str, bool]) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """filter.min_step_score under recipe grpo: the round's reward model judges which right answers self-imitation
     (train_policy.grpo.ptx_pool) may train on, as rft's filter judges what its SFT trains on. A right answer whose
     weakest step scores below the threshold (lowered by filter.judge_max_drop, as rft's) is left out, as one whose
     steps fail filter.check_steps is; its reward is left alone. Returns a `selections` row (purpose ptx) for every
     right answer, and the filter's metrics: how many the judge left out, and where the domain has a step checker,
-    how the judge agrees with it (evaluation only, as rft's filter reports)."""
+    how the judge agrees with it (evaluation only, as rft's filter reports). `checked`: filter.check_steps' verdict
+    on every right answer where it is set (their `outcome` is then 0), else {}."""
     from components.filtering import judge_catch_rates, judge_ranking, judge_threshold
 
     f = spec.cfg().filter
+    failed = {t for t, ok in checked.items() if not ok}
     right = [t for t in trajs if outcome[t["trajectory_id"]] > 0 or t["trajectory_id"] in failed]
     weakest, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], "min")
     weakest = {t["trajectory_id"]: weakest[t["trajectory_id"]] for t in right if t["trajectory_id"] in weakest}
@@ -206,8 +208,8 @@ def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, f
     metrics = {"ptx_judged_out": float(len(out))}
     if weakest:
         metrics["judge_min_step_score"] = threshold
-        checker = steps_checked(domain_of(spec), [t for t in right if t["trajectory_id"] in weakest],
-                                dict.fromkeys(weakest, 1.0))
+        checker = checked or steps_checked(domain_of(spec), [t for t in right if t["trajectory_id"] in weakest],
+                                           dict.fromkeys(weakest, 1.0))
         if checker:  # evaluation only: the checker measures the judge, whether or not it zeroes rewards
             metrics |= judge_catch_rates(dict.fromkeys(weakest, True), checker, out)
             metrics |= judge_ranking(weakest, checker)
