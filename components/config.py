@@ -328,8 +328,9 @@ class FilterConfig(_Section):
     check_steps: bool = Field(
         False, description="Also drop right answers whose worked steps do not check out against the problem "
                            "(the domain's step checker, run like rStar-Math's code execution; it compares with no "
-                           "gold solution). Under recipe grpo such a right answer earns 0, a wrong answer's reward, "
-                           "and `advantages.steps_checked` records the verdict. Ignored where a domain has none.",
+                           "gold solution). Under recipe grpo such a right answer earns 0, a wrong answer's reward "
+                           "(or its own, train_policy.grpo.unsound_reward), self-imitation leaves it out, and "
+                           "`advantages.steps_checked` records the verdict. Ignored where a domain has none.",
     )
 
 
@@ -382,6 +383,11 @@ class GRPOSection(_Section):
                     "is set: self-imitation (Oh et al. 2018), rft's SFT data beside the policy gradient; the other "
                     "half the demonstrations. 'all_right_answers': the same over this round and every earlier "
                     "one, as rft replays its earlier selections. Needs ptx_weight > 0.")
+    unsound_reward: Literal["zero", "outcome"] = Field(
+        "zero", exclude_if=lambda v: v == "zero",
+        description="What a right answer earns whose steps fail filter.check_steps. 'zero': a wrong answer's reward, "
+                    "the checker as a reward. 'outcome': its outcome reward, so the checker only keeps it out of "
+                    "self-imitation (ptx_pool), as filter.min_step_score's judge does.")
     reference: Literal["previous", "initial"] | None = Field(
         None, description="The reference beta > 0 pulls towards: the previous round's policy or the round-0 model.")
     shaping_weight: float = Field(

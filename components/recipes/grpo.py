@@ -9,7 +9,9 @@ advantages, and trains a clipped policy gradient with TRL's GRPOTrainer on them 
   next round's rewards (`train_policy.grpo.shaping_weight`, per step with `credit: step`);
 - filter: each rollout's advantage (`advantages` in the store); groups whose rewards are all equal are dropped
   (DAPO's dynamic sampling), and `filter.max_groups` caps the rest; with `filter.min_step_score` the reward model
-  judges which right answers self-imitation trains on (`selections`, purpose ptx);
+  judges which right answers self-imitation trains on (`selections`, purpose ptx), and with `filter.check_steps` the
+  domain's step checker does too (a right answer that fails it earns 0 unless `train_policy.grpo.unsound_reward`
+  is outcome);
 - train_policy (`method: grpo`): `train_policy.grpo`'s loss on the kept groups, starting from the policy that
   sampled them;
 - evaluate.
@@ -55,6 +57,14 @@ def check(cfg) -> None:
             raise ValueError(f"{judges} by their weakest step, and score.reward_model={rm} scores no steps: set "
                              "score.reward_model=prm (with train_reward.enabled), implicit, or a step reward model by "
                              "dotted path")
+    if g.unsound_reward != "zero":
+        keeps = f"train_policy.grpo.unsound_reward={g.unsound_reward} keeps the step checker out of the reward"
+        if not cfg.filter.check_steps:
+            raise ValueError(f"{keeps}, and filter.check_steps=false checks nothing: set filter.check_steps=true")
+        if g.ptx_pool == "demonstrations":
+            raise ValueError(f"{keeps}, so it only judges self-imitation, and "
+                             "train_policy.grpo.ptx_pool=demonstrations imitates no right answer: set ptx_pool to "
+                             "right_answers or all_right_answers")
     if tp.init != "previous":
         raise ValueError(f"{where} trains the policy that sampled the round: set train_policy.init=previous")
     if cfg.generate.top_p != 1.0:

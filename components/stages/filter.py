@@ -123,10 +123,13 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
         raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
     checked = steps_checked(domain_of(spec), trajs, outcome) if cfg.filter.check_steps else {}
     failed = sorted(t for t, ok in checked.items() if not ok)
-    if checked:  # rft drops these right answers; here they earn a wrong answer's reward
-        outcome |= dict.fromkeys(failed, 0.0)
+    if checked:  # rft drops these right answers; here they earn a wrong answer's reward, or keep their own
+        zeroed = g.unsound_reward == "zero"
+        if zeroed:
+            outcome |= dict.fromkeys(failed, 0.0)
         log("filter", f"filter.check_steps: {len(failed)} of {len(checked)} right answers have steps that do not "
-                      "check out and earn 0")
+                      "check out" + (" and earn 0" if zeroed else ": self-imitation leaves them out, their reward "
+                                     "stays (train_policy.grpo.unsound_reward=outcome)"))
     shaping: dict[str, float] = {}
     if g.shaping_weight > 0 and g.credit == "trajectory":
         dense, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], g.shaping_aggregate)
@@ -185,7 +188,7 @@ def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, f
     steps fail filter.check_steps is; its reward is left alone. Returns a `selections` row (purpose ptx) for every
     right answer, and the filter's metrics: how many the judge left out, and where the domain has a step checker,
     how the judge agrees with it (evaluation only, as rft's filter reports). `checked`: filter.check_steps' verdict
-    on every right answer where it is set (their `outcome` is then 0), else {}."""
+    on every right answer where it is set (a failed one's `outcome` is 0 unless unsound_reward=outcome), else {}."""
     from components.filtering import judge_catch_rates, judge_ranking, judge_threshold
 
     f = spec.cfg().filter

@@ -214,17 +214,19 @@ def test_ptx_trains_the_demonstrations_beside_the_rollouts(grpo_run):
 @pytest.fixture(scope="module")
 def sil_run(grpo_run):
     """Two rounds from grpo_run's round-0 policy with self-imitation of every round's right answers (ptx_pool
-    all_right_answers) and the step checker, outcome rewards alone. Sampled at temperature 0.6, some groups'
-    rollouts are all right: they have no signal and are dropped. The implicit PRM judges which right answers are
-    imitated (filter.min_step_score; it scores from round 2): those whose weakest step's log-ratio is below 0, at
-    most 30% of a round's."""
+    all_right_answers), outcome rewards alone: the step checker only keeps right answers out of self-imitation
+    (train_policy.grpo.unsound_reward=outcome). Sampled at temperature 0.6, some groups' rollouts are all right: they
+    have no signal and are dropped. The implicit PRM judges which right answers are imitated too
+    (filter.min_step_score; it scores from round 2): those whose weakest step's log-ratio is below 0, at most 30% of
+    a round's."""
     from flows.evolution import self_evolution
 
     cfg, store, flat, _ = grpo_run
     overrides = [f"workdir={cfg.workdir}", *SMALL, "experiment=micro-grpo-sil", "generate.temperature=0.6",
                  f"policy.model={store.committed_model(cfg.experiment, 0, 'policy')['uri']}", "bootstrap.steps=0",
                  "train_policy.grpo.ptx_weight=0.5", "train_policy.grpo.ptx_pool=all_right_answers",
-                 "filter.check_steps=true", "score.reward_model=implicit", "filter.min_step_score=0",
+                 "filter.check_steps=true", "train_policy.grpo.unsound_reward=outcome",
+                 "score.reward_model=implicit", "filter.min_step_score=0",
                  "filter.judge_max_drop=0.3"]
     self_evolution(config_path=str(CONFIG), overrides=overrides)
     return store, load_config(CONFIG, overrides)
@@ -283,7 +285,8 @@ def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_s
     """filter.min_step_score under grpo: every right answer has a ptx selection. Round 1 has no implicit PRM yet, so
     the checker alone turns answers away; in round 2 the judge leaves out exactly the right answers whose weakest
     step scores below the threshold the filter used (0, or lower where more than 30% would fall below it), naming
-    the score, and their rewards stay the verifier's. The filter reports how the judge agrees with the checker."""
+    the score. Every right answer's reward stays the verifier's, those the checker failed too. The filter reports
+    how the judge agrees with the checker."""
     store, sil = sil_run
     cols, rows = store.query(
         "SELECT t.round, s.selected, s.reason, a.steps_checked, a.outcome, v.reward, j.value AS weakest FROM "
@@ -302,8 +305,7 @@ def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_s
         judged = r["round"] == 2 and r["weakest"] < metrics[2]["judge_min_step_score"]
         assert r["selected"] is (r["steps_checked"] is not False and not judged)
         assert r["reason"].startswith("implicit min: weakest step") is judged
-        if r["steps_checked"]:
-            assert r["outcome"] == r["reward"]  # the judge leaves rewards alone
+        assert r["outcome"] == r["reward"]  # the judge and, at unsound_reward=outcome, the checker leave rewards alone
     assert all(r["weakest"] is None for r in rows if r["round"] == 1)
     out = sum(r["reason"].startswith("implicit") for r in rows)
     assert 0 < out <= 0.3 * sum(r["round"] == 2 for r in rows)

@@ -61,6 +61,10 @@ def test_micro_grpo_config_loads(repo):
     ({"filter": {"min_step_score": 0.5},
       "train_policy": {"method": "grpo", "grpo": {"ptx_weight": 1, "ptx_pool": "right_answers"}}},
      "score.reward_model=none scores no steps"),
+    ({"train_policy": {"method": "grpo", "grpo": {"unsound_reward": "outcome"}}},
+     "filter.check_steps=false checks nothing"),
+    ({"filter": {"check_steps": True}, "train_policy": {"method": "grpo", "grpo": {"unsound_reward": "outcome"}}},
+     "ptx_pool=demonstrations imitates no right answer"),
 ])
 def test_config_refuses_what_grpo_cannot_train(sections, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.").replace("(", r"\(")):
