@@ -241,16 +241,18 @@ class ScoreConfig(_Section):
                             "by verifier outcome only (round 1 of a coevo run has no previous reward model yet). "
                             "'prm' or 'orm': the one train_reward trained. 'implicit': no reward model to train; "
                             "the step reward is beta * log(policy / round-0 policy) summed over the step (Free "
-                            "Process Rewards, PRIME), from round 2 on. 'env': an environment's own turn rewards "
+                            "Process Rewards, PRIME), from round 2 on. 'confidence': no reward model to train; a "
+                            "step scores the probability of its least likely token under the policy that sampled "
+                            "it, every round (as DeepConf judges traces). 'env': an environment's own turn rewards "
                             "(StepResult.reward; a turn given none scores 0). A dotted path 'pkg.module:Class' "
                             "builds a components.rewards.RewardModel that trains nothing, every round.")
 
     @field_validator("reward_model")
     @classmethod
     def _known_reward_model(cls, v: str) -> str:
-        if v not in ("none", "prm", "orm", "implicit", "env") and ":" not in v:
-            raise ValueError(f"unknown reward model {v!r}: use none, prm, orm, implicit, env or a dotted path "
-                             "'pkg.module:Class'")
+        if v not in ("none", "prm", "orm", "implicit", "confidence", "env") and ":" not in v:
+            raise ValueError(f"unknown reward model {v!r}: use none, prm, orm, implicit, confidence, env or a dotted "
+                             "path 'pkg.module:Class'")
         return v
     implicit_beta: float = Field(0.05, gt=0.0, description="beta of the implicit PRM (PRIME's value).")
     mc_rollouts: int = Field(

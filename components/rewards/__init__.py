@@ -1,5 +1,6 @@
-"""Reward models: a process reward model (`prm`, two heads), an outcome reward model (`orm`) and the
-implicit PRM (`implicit`, policy/reference log-ratio, no training), behind one protocol, `RewardModel`.
+"""Reward models: a process reward model (`prm`, two heads), an outcome reward model (`orm`), the implicit PRM
+(`implicit`, policy/reference log-ratio, no training) and the sampler's confidence (`confidence`, its least likely
+token a step, no training), behind one protocol, `RewardModel`.
 
     rm = load_reward_model("prm", "workdir/.../r1/train_reward/a1/prm", separator=domain.step_separator)
     rm.score(prompts, completions, steps)    # one list per trajectory: a score per step (or one, for an ORM)
@@ -7,7 +8,7 @@ implicit PRM (`implicit`, policy/reference log-ratio, no training), behind one p
 A new reward model is one class with `name`, `granularity` and `score`, named in the config by dotted
 path (`score.reward_model: my_pkg.rewards:LengthPenalty`); `load_reward_model` builds it with the
 model URI (None for one that trains nothing) and the domain's step separator. The helpers below are
-shared by the three built-in ones; they import torch lazily so `import components.rewards` stays cheap.
+shared by the built-in ones; they import torch lazily so `import components.rewards` stays cheap.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ REWARD_MODELS: dict[str, str] = {
     "prm": "components.rewards.prm:PRMScorer",
     "orm": "components.rewards.orm:ORMScorer",
     "implicit": "components.rewards.implicit:ImplicitPRM",
+    "confidence": "components.rewards.confidence:SamplerConfidence",
 }
 # Those trained by the `train_reward` stage, under their role in the `models` table.
 TRAINED = ("prm", "orm")

@@ -510,12 +510,21 @@ class PRMScorer:
         return out
 
     def _fit(self, enc: StepTokens) -> StepTokens:
-        """A trajectory cut to max_length tokens, keeping the steps that end within it; counted in `truncated`."""
-        if self.max_length is None or len(enc.ids) <= self.max_length:
-            return enc
-        self.truncated += 1
-        return StepTokens(enc.ids[: self.max_length], [e for e in enc.ends if e < self.max_length],
-                          min(enc.prompt_len, self.max_length))
+        """A trajectory cut to max_length tokens (`cut_steps`); counted in `truncated`."""
+        cut = cut_steps(enc, self.max_length)
+        self.truncated += cut is not enc
+        return cut
+
+
+def cut_steps(enc: StepTokens, max_length: int | None) -> StepTokens:
+    """`enc` cut to max_length tokens, keeping the steps that end within it; `enc` itself where it fits.
+
+    >>> cut_steps(StepTokens([1, 2, 3, 4, 5], [2, 4], 1), 4)
+    StepTokens(ids=[1, 2, 3, 4], ends=[2], prompt_len=1)
+    """
+    if max_length is None or len(enc.ids) <= max_length:
+        return enc
+    return StepTokens(enc.ids[:max_length], [e for e in enc.ends if e < max_length], min(enc.prompt_len, max_length))
 
 
 def aggregate(step_scores: list[float]) -> dict[str, float]:

@@ -14,7 +14,7 @@ from components.manifest import StageOutputWriter
 from components.stages.base import Planner, Stage, domain_of, log, steps_by_trajectory, write
 
 # Reward models rank in this order where a round has several; a user's reward model (dotted path) after them.
-RANKERS = ("prm", "implicit", "orm")
+RANKERS = ("prm", "implicit", "confidence", "orm")
 
 
 @dataclass

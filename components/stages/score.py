@@ -39,6 +39,8 @@ def plan(p: Planner) -> Inputs:
         if p.round > 1:  # round 1's policy is the reference itself: a log-ratio of 0 everywhere
             inputs = Inputs(policy["uri"], policy["model_id"], rm, policy["uri"], policy["model_id"],
                             p.model(0)["uri"])
+    elif rm == "confidence":  # the sampler itself scores its steps, round 1 too
+        inputs = Inputs(policy["uri"], policy["model_id"], rm, policy["uri"], policy["model_id"])
     elif rm in TRAINED:
         trained = p.optional_model(p.round - 1, rm)
         if trained:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only

@@ -216,9 +216,9 @@ def sil_run(grpo_run):
     """Two rounds from grpo_run's round-0 policy with self-imitation of every round's right answers (ptx_pool
     all_right_answers), outcome rewards alone: the step checker only keeps right answers out of self-imitation
     (train_policy.grpo.unsound_reward=outcome). Sampled at temperature 0.6, some groups' rollouts are all right: they
-    have no signal and are dropped. The implicit PRM judges which right answers are imitated too
-    (filter.min_step_score; it scores from round 2): those whose weakest step's log-ratio is below 0, at most 30% of
-    a round's."""
+    have no signal and are dropped. The sampler's confidence judges which right answers are imitated too
+    (score.reward_model=confidence, filter.min_step_score; it scores every round): those whose least likely token
+    had p < 0.5, at most 30% of a round's."""
     from flows.evolution import self_evolution
 
     cfg, store, flat, _ = grpo_run
@@ -226,7 +226,7 @@ def sil_run(grpo_run):
                  f"policy.model={store.committed_model(cfg.experiment, 0, 'policy')['uri']}", "bootstrap.steps=0",
                  "train_policy.grpo.ptx_weight=0.5", "train_policy.grpo.ptx_pool=all_right_answers",
                  "filter.check_steps=true", "train_policy.grpo.unsound_reward=outcome",
-                 "score.reward_model=implicit", "filter.min_step_score=0",
+                 "score.reward_model=confidence", "filter.min_step_score=0.5",
                  "filter.judge_max_drop=0.3"]
     self_evolution(config_path=str(CONFIG), overrides=overrides)
     return store, load_config(CONFIG, overrides)
@@ -282,17 +282,16 @@ def test_self_imitation_trains_every_rounds_sound_right_answers(sil_run, tmp_pat
 
 
 def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_step(sil_run):
-    """filter.min_step_score under grpo: every right answer has a ptx selection. Round 1 has no implicit PRM yet, so
-    the checker alone turns answers away; in round 2 the judge leaves out exactly the right answers whose weakest
-    step scores below the threshold the filter used (0, or lower where more than 30% would fall below it), naming
-    the score. Every right answer's reward stays the verifier's, those the checker failed too. The filter reports
+    """filter.min_step_score under grpo: every right answer has a ptx selection. In each round the judge leaves out
+    exactly the right answers whose weakest step scores below the threshold the filter used (0.5, or lower where
+    more than 30% would fall below it), naming the score, and the checker those whose steps fail it. Every right answer's reward stays the verifier's, those the checker failed too. The filter reports
     how the judge agrees with the checker."""
     store, sil = sil_run
     cols, rows = store.query(
         "SELECT t.round, s.selected, s.reason, a.steps_checked, a.outcome, v.reward, j.value AS weakest FROM "
         "selections s JOIN trajectories t USING (trajectory_id) JOIN advantages a USING (trajectory_id) "
         "JOIN verifications v USING (trajectory_id) LEFT JOIN scores j ON j.trajectory_id = s.trajectory_id "
-        "AND j.scorer = 'implicit' AND j.aggregate = 'min' WHERE s.experiment_id = ? AND s.purpose = 'ptx' "
+        "AND j.scorer = 'confidence' AND j.aggregate = 'min' WHERE s.experiment_id = ? AND s.purpose = 'ptx' "
         "AND a.turn_index = -1", [sil.experiment])
     rows = [dict(zip(cols, r)) for r in rows]
     _, right = store.query("SELECT count(*) FROM verifications v JOIN trajectories t USING (trajectory_id) "
@@ -302,15 +301,15 @@ def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_s
                              "AND status = 'committed' ORDER BY round", [sil.experiment])
     metrics = {r: json.loads(m) for r, m in metrics}
     for r in rows:
-        judged = r["round"] == 2 and r["weakest"] < metrics[2]["judge_min_step_score"]
+        judged = r["weakest"] < metrics[r["round"]]["judge_min_step_score"]
         assert r["selected"] is (r["steps_checked"] is not False and not judged)
-        assert r["reason"].startswith("implicit min: weakest step") is judged
+        assert r["reason"].startswith("confidence min: weakest step") is judged
         assert r["outcome"] == r["reward"]  # the judge and, at unsound_reward=outcome, the checker leave rewards alone
-    assert all(r["weakest"] is None for r in rows if r["round"] == 1)
-    out = sum(r["reason"].startswith("implicit") for r in rows)
-    assert 0 < out <= 0.3 * sum(r["round"] == 2 for r in rows)
-    assert metrics[1]["ptx_judged_out"] == 0 and metrics[2]["ptx_judged_out"] == out
-    assert metrics[2]["judge_min_step_score"] <= 0 and 0 <= metrics[2]["judge_auc"] <= 1
+    for k in (1, 2):
+        out = sum(r["reason"].startswith("confidence") for r in rows if r["round"] == k)
+        assert 0 < out <= 0.3 * sum(r["round"] == k for r in rows)
+        assert metrics[k]["ptx_judged_out"] == out and metrics[k]["judge_min_step_score"] <= 0.5
+        assert 0 <= metrics[k]["judge_auc"] <= 1
     _, lineage = store.query("SELECT count(*) FILTER (WHERE selected_for = 'ptx'), count(*) FROM v_lineage WHERE "
                              "experiment_id = ? AND use = 'ptx' AND source_round > 0", [sil.experiment])
     assert lineage[0][0] == lineage[0][1] > 0  # an imitated right answer names its ptx selection

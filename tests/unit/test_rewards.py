@@ -1,4 +1,5 @@
-"""Reward models trained for real on tiny from-scratch Llamas: PRM, ORM and the implicit PRM.
+"""Reward models on tiny from-scratch Llamas: PRM and ORM trained for real, the implicit PRM and the sampler's
+confidence.
 
     .venv/bin/python -m pytest tests/unit/test_rewards.py -q
 
@@ -265,3 +266,32 @@ def test_implicit_rewards(backbone, tmp_path):
             ids, _ = tokenize_steps(tok, p, s)
             start = len(tok(p, add_special_tokens=False)["input_ids"])
             assert math.isclose(sum(r), beta * _log_ratio(other, backbone, ids, start), abs_tol=1e-4)
+
+
+def test_sampler_confidence_is_each_steps_least_likely_token(backbone):
+    """score.reward_model=confidence: each step scores exp of the lowest log-probability among its own tokens (its
+    separator included) under the policy, the prompt and the steps before it read; batching and padding change
+    nothing, and a trajectory without steps gets none."""
+    from components.rewards import load_reward_model
+
+    problems = _problems(5, 3)
+    prompts = [p.prompt for p in problems]
+    steps = [DOMAIN.split_steps(DOMAIN.reference_solution(p)) for p in problems]
+    steps[1] = steps[1][:1]  # rows of one batch with fewer steps than others
+    rm = load_reward_model("confidence", backbone, separator=DOMAIN.step_separator)
+    assert (rm.name, rm.granularity) == ("confidence", "step")
+    scores = rm.score([*prompts, "1+1\n"], ["", "", "", ""], [*steps, []], batch_size=2)
+    assert scores[-1] == [] and scores[:-1] == rm.score(prompts, ["", "", ""], steps)
+    model, tok = load_policy(backbone)
+    for p, s, got in zip(prompts, steps, scores):
+        ids, ends = tokenize_steps(tok, p, s)
+        x = torch.tensor([ids])
+        with torch.inference_mode():
+            lp = torch.log_softmax(model(input_ids=x).logits[0, :-1], -1).gather(-1, x[0, 1:, None])[:, 0]
+        start = len(tok(p, add_special_tokens=False)["input_ids"])
+        want = []
+        for end in ends:
+            want.append(math.exp(float(lp[start - 1:end].min())))
+            start = end + 1
+        assert got == pytest.approx(want, rel=1e-4) and len(got) == len(s)
+        assert all(0 < v <= 1 for v in got)
