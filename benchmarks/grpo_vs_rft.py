@@ -9,22 +9,26 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
 - `grpo-lr2e-4`, `grpo-lr5e-4`, `grpo-lr5e-4-wide` (with `--arms`): at 2e-4, at rft's learning rate, then at
   rft's with 64 problems a level;
 - `grpo-lr1e-4-cosine` (with `--arms`): 1e-4 decayed to 0 over each round's steps.
-- any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure
-  is reported against every rft arm;
-- any `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]` (with `--arms`): that rate,
-  constant or decayed, N problems a level, sampling only the L hardest learnable levels (`curriculum.max_levels`) in
-  groups of G, K passes over each round's rollouts (`num_iterations`) sampled at temperature T (grpo's default 1.0;
-  rft samples at 0.8), the round-0 demonstrations beside the policy gradient at weight W (PPO-ptx, default 1), B of
-  them a forward pass, half of those the round's own right answers (`-sil`) or every round's (`-silall`), rft's step
-  checker (`-checked`), and step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py),
-  or that PRM's lowest step score in the reward (`-prmmin`), each at weight S (default 0.5), which the report sets
+- any `rft-lr<rate>` (with `--arms`): rft at that SFT learning rate, from rft's round-0 policy; the issue's figure is
+  reported against every rft arm;
+- any
+  `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
+  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]` (with `--arms`): that
+  rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
+  (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`) sampled at
+  temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations beside the policy gradient at
+  weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's own right answers (`-sil`) or
+  every round's (`-silall`), rft's step checker (`-checked`; `-checkjudge`: it only judges what `-sil` imitates,
+  rewards untouched), and step credit from the implicit PRM or from a PRM the rounds train (as in grpo_shaping.py), or
+  that PRM's lowest step score in the reward (`-prmmin`), each at weight S (default 0.5), which the report sets
   against the same arm without it; `-oracle` and `-oraclemin` are the last two with arith's exact step labels for the
   PRM's scores (benchmarks/oracle_prm.py): what a PRM that ranks as the checker does would pay; `-prmjudge` and
   `-oraclejudge` shape nothing: the trained PRM, or the exact labels, judge which right answers `-sil` imitates;
   `-prml`, `-prmlmin` and `-prmljudge` train the PRM with arith-coevo.yaml's likelihood head instead of the
   classifier. After a judge arm, the number S is the most the judge may leave out of a round's right answers
-  (`filter.judge_max_drop`, default 0.3 for a PRM), not a weight.
+  (`filter.judge_max_drop`, default 0.3 for a PRM), not a weight. `-confjudge` is a judge too: the sampler's
+  confidence (`score.reward_model: confidence`, no rollouts, no training) leaves out right answers whose least likely
+  token had p < 0.3, at most half of a round's.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -84,8 +88,11 @@ SHAPING |= {"oracle": [*ORACLE, *STEP],
 # at most 30% of a round's right answers (filter.judge_max_drop, as the coevo judge's in prm-without-checker.md).
 SHAPING |= {"prmjudge": [*PRM, "filter.min_step_score=0.5", "filter.judge_max_drop=0.3"],
             "oraclejudge": [*ORACLE, "filter.min_step_score=0.5"]}
+# Or the sampler's own confidence judges (score.reward_model confidence: a step's least likely token; no rollouts,
+# no training): right answers whose least likely token had p < 0.3, at most half of a round's.
+SHAPING |= {"confjudge": ["score.reward_model=confidence", "filter.min_step_score=0.3", "filter.judge_max_drop=0.5"]}
 # A judge arm's number is the most it may leave out of a round's right answers (filter.judge_max_drop), not a weight.
-NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge"], "filter.judge_max_drop")
+NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge", "confjudge"], "filter.judge_max_drop")
 # `prml...`: the same three with the PRM arith-coevo.yaml trains instead of the classifier: the likelihood head (a
 # step scores by its least likely token under the PRM's own LM head), kept a language model on the demonstrations.
 PRML = [*PRM, "train_reward.head=likelihood", "train_reward.lm_weight=1", "train_reward.demos=true"]
@@ -100,24 +107,26 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
                  r"(?:-top(?P<levels>[0-9]+))?(?:-g(?P<group>[0-9]+))?"
                  r"(?:-it(?P<iterations>[0-9]+))?(?:-t(?P<temperature>[0-9.]+))?"
                  r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
-                 r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked)?"
-                 r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle)"
+                 r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked|-checkjudge)?"
+                 r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle"
+                 r"|confjudge)"
                  r"(?P<shaping>[0-9.]+)?)?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
-    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked]
-    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]`: the rate, decayed to 0 over
-    each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L hardest
-    learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
+    `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
+    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]`: the rate, decayed to
+    0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L
+    hardest learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
     demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
-    (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool right_answers)
-    or every round's (`-silall`: all_right_answers), rft's step checker on the right answers (filter.check_steps: a
-    right answer whose steps fail it earns 0), and step credit, or a trained PRM's lowest step score in the reward
-    (`-prmmin`), either at weight S (default 0.5), or the same from arith's exact step labels (`-oracle`,
-    `-oraclemin`), or either judging which right answers self-imitation trains on, no shaping (`-prmjudge`,
-    `-oraclejudge`: filter.min_step_score); `prml` for `prm`: the PRM's likelihood head.
+    (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool right_answers) or
+    every round's (`-silall`: all_right_answers), rft's step checker on the right answers (filter.check_steps: a right
+    answer whose steps fail it earns 0, `-checked`; or only leaves self-imitation, `-checkjudge`:
+    unsound_reward=outcome), and step credit, or a trained PRM's lowest step score in the reward (`-prmmin`), either
+    at weight S (default 0.5), or the same from arith's exact step labels (`-oracle`, `-oraclemin`), or either judging
+    which right answers self-imitation trains on, no shaping (`-prmjudge`, `-oraclejudge`: filter.min_step_score);
+    `prml` for `prm`: the PRM's likelihood head.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
     ('configs/micro-grpo.yaml', ['train_policy.grpo.learning_rate=1e-4', 'train_policy.grpo.lr_scheduler=cosine'])
@@ -139,6 +148,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['generate.temperature=0.8', 'train_policy.grpo.ptx_weight=1']
     >>> arm_overrides("grpo-lr1e-4-top1-it8-ptx-pb32-sil-checked")[1][-3:]
     ['train_policy.grpo.ptx_batch_size=32', 'train_policy.grpo.ptx_pool=right_answers', 'filter.check_steps=true']
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-checkjudge")[1][-2:]
+    ['filter.check_steps=true', 'train_policy.grpo.unsound_reward=outcome']
     >>> arm_overrides("grpo-lr1e-4-ptx-silall")[1][-1]
     'train_policy.grpo.ptx_pool=all_right_answers'
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmmin")[1][-3:]
@@ -155,11 +166,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['train_reward.head=likelihood', 'train_reward.lm_weight=1', 'train_reward.demos=true']
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-prmljudge0.6")[1][-1]
     'filter.judge_max_drop=0.6'
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-confjudge")[1][-3:]
+    ['score.reward_model=confidence', 'filter.min_step_score=0.3', 'filter.judge_max_drop=0.5']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge][<S>]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -169,8 +182,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     if m is None:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
-                                         "[-pb<B>][-sil[all]][-checked][-implicit|-prm[l]|-prm[l]min|-prm[l]judge"
-                                         "|-oracle|-oraclemin|-oraclejudge][<S>]")
+                                         "[-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min"
+                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
@@ -179,6 +192,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
                                        *([f"train_policy.grpo.ptx_pool={'all_' if m['replayed'] else ''}right_answers"]
                                          if m["sil"] else []),
                                        *(["filter.check_steps=true"] if m["checked"] else []),
+                                       *(["train_policy.grpo.unsound_reward=outcome"]
+                                         if m["checked"] == "-checkjudge" else []),
                                        *(SHAPING[m["credit"]] if m["credit"] else []),
                                        *([f"{NUMBER.get(m['credit'], 'train_policy.grpo.shaping_weight')}="
                                           f"{m['shaping']}"] if m["shaping"] else [])]
