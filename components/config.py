@@ -844,14 +844,15 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{where}: filter.step_dpo_pairs takes an environment's pairs from its turn trees, two "
                              "stored episodes that part at sibling turns; Monte Carlo turn labels keep no winning "
                              "continuation to pair with: set score.tree (with generate.mcts or score.tree.search)")
-        unsupported = {f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "env"),
+        unsupported = {f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "confidence", "env"),
                        "filter.check_steps": self.filter.check_steps}
         bad = [k for k, v in unsupported.items() if v]
         if bad:
             raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet; MCTS over turns "
                              "(generate.mcts, and score.tree on its trees), Monte Carlo turn labels (score.mc_rollouts, "
                              "mc_strategy every_prefix or first_error), turn trees grown in score (score.tree.search), the "
-                             "PRM, the implicit PRM, the ORM, best-of-N, PRM-guided turns (generate.search), the "
+                             "PRM, the implicit PRM, the sampler's confidence, the ORM, best-of-N, PRM-guided turns "
+                             "(generate.search), the "
                              "compute curve over turns (evaluate.search), DPO on episodes and on a turn tree's step "
                              "pairs, waves until right (generate.until_correct), and grpo's step credit work")
 

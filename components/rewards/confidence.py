@@ -10,7 +10,8 @@ token) ranks sound right answers above unsound ones, and `filter.min_step_score`
 what a round trains on, as DeepConf (Fu et al. 2025) filters reasoning traces by their least confident stretch.
 It is the likelihood PRM's rule (`prm.py`, head `likelihood`: a step scores by its least likely token) applied to
 the sampler itself, untrained and uncalibrated, and without the PRM's carry-over to later steps: a step is scored
-by its own tokens (its separator included), so step credit sees where confidence fell.
+by its own tokens (its separator included), so step credit sees where confidence fell. An agent's episode is
+scored turn by turn (`score_episodes`), over the ids each assistant turn sampled.
 
 Measured on arith (docs/grpo.md, "The sampler's confidence as the judge"): it ranks the checker's sound right
 answers above the unsound ones at an AUC near 0.9, where the implicit PRM ranks them at 0.49-0.74.
@@ -50,23 +51,49 @@ class SamplerConfidence:
 
     def score(self, prompts: list[str], completions: list[str], steps: list[list[str]],  # noqa: ARG002
               batch_size: int = 64) -> list[list[float]]:
-        import torch
-
         if len(prompts) != len(steps):
             raise ValueError(f"SamplerConfidence.score: {len(prompts)} prompts but {len(steps)} step lists")
         enc = [self._fit(encode_steps(self.tok, render_prompt(self.tok, p, self.prompt_format), s, self.separator))
                for p, s in zip(prompts, steps, strict=True)]
-        order = sorted((i for i, e in enumerate(enc) if e.ends), key=lambda i: len(enc[i].ids))
+        scored = [i for i, e in enumerate(enc) if e.ends]
         out: list[list[float]] = [[] for _ in prompts]
+        for i, lp in zip(scored, self._logprobs([enc[i].ids for i in scored], batch_size), strict=True):
+            out[i] = least_likely(lp, enc[i])
+        return out
+
+    def score_episodes(self, chats: list[list[dict[str, Any]]], batch_size: int = 32) -> list[list[float]]:
+        """Per episode, one score per assistant turn: the probability of the least likely id that turn sampled, in
+        the conversation encoded append-only as it was sampled (`envs.agent.ChatEncoder`). Observations, tool
+        results and the template's headers are the environment's, so they count for nothing."""
+        from components.envs.agent import ChatEncoder, assistant_spans
+
+        encoded = [ChatEncoder(self.tok, self.path).encode(chat, add_generation_prompt=False) for chat in chats]
+        out = []
+        for k, ((_, mask), lp) in enumerate(zip(encoded, self._logprobs([ids for ids, _ in encoded], batch_size),
+                                                strict=True)):
+            runs = assistant_spans(mask)
+            if len(runs) != sum(m["role"] == "assistant" for m in chats[k]):
+                raise ValueError(f"SamplerConfidence.score_episodes: episode {k} has "
+                                 f"{sum(m['role'] == 'assistant' for m in chats[k])} assistant turns but {len(runs)} "
+                                 "runs of assistant tokens")
+            # Token t's log-probability sits at index t - 1; a turn never starts at token 0 (the system turn's).
+            out.append([math.exp(min(lp[a - 1:b - 1])) for a, b in runs])
+        return out
+
+    def _logprobs(self, ids: list[list[int]], batch_size: int) -> list[list[float]]:
+        """Per sequence, log p of token t given those before it, at index t - 1: batched by length, right-padded."""
+        import torch
+
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out: dict[int, list[float]] = {}
         for b in range(0, len(order), batch_size):
             idx = order[b:b + batch_size]
-            ids, mask = pad_right([enc[i].ids for i in idx], self.pad_id)
+            x, mask = pad_right([ids[i] for i in idx], self.pad_id)
             with torch.inference_mode():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-                lp = token_logprobs(logits, ids.to(self.device)).cpu()
-            for row, i in enumerate(idx):
-                out[i] = least_likely(lp[row].tolist(), enc[i])
-        return out
+                logits = self.model(input_ids=x.to(self.device), attention_mask=mask.to(self.device)).logits
+                lp = token_logprobs(logits, x.to(self.device)).cpu()
+            out |= {i: lp[row, : len(ids[i]) - 1].tolist() for row, i in enumerate(idx)}
+        return [out[i] for i in range(len(ids))]
 
     def _fit(self, enc: StepTokens) -> StepTokens:
         cut = cut_steps(enc, self.max_length)

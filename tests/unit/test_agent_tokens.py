@@ -225,3 +225,33 @@ def test_the_implicit_prm_rewards_each_turn_by_the_log_ratio_over_the_ids_it_sam
         assert got == pytest.approx(turns, abs=1e-4) and any(abs(v) > 1e-3 for v in got)
     same = implicit_turn_rewards(standin.model.name_or_path, standin.model.name_or_path, chats[:1], device_name="cpu")
     assert same == [[0.0, 0.0, 0.0]]
+
+
+def test_the_samplers_confidence_scores_each_turn_by_its_least_likely_sampled_id(standin):
+    """score.reward_model=confidence on episodes: each assistant turn scores exp of the lowest log-probability among
+    the ids it sampled, in the conversation as sampled, recomputed here by one forward pass each; the observations'
+    tokens count for nothing."""
+    import math
+
+    import torch
+
+    from components.rewards import load_reward_model
+
+    enc = ChatEncoder(standin.tok, "standin")
+    sampler = ChatSampler(standin, enc, temperature=1.0, top_p=1.0, max_new_tokens=10, seed=7, max_context=256)
+    problems = get_env("calculator").sample_problems(2, 3, seed=8)
+    chats = [r.messages for r in EpisodeRunner(sampler, toolcalls.parse, EpisodeLimits(max_turns=3)).run(
+        [(p, Echo(p.prompt)) for p in problems])]
+    rm = load_reward_model("confidence", standin.model.name_or_path)
+    got = rm.score_episodes(chats, batch_size=2)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(standin.model.name_or_path).eval()
+    for chat, scores in zip(chats, got, strict=True):
+        ids, mask = enc.encode(chat, add_generation_prompt=False)
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logp = model(input_ids=x).logits[0, :-1].float().log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+        turns = [math.exp(float(logp[a - 1:b - 1].min())) for a, b in assistant_spans(mask)]
+        assert len(scores) == len(turns) == sum(m["role"] == "assistant" for m in chat) > 0
+        assert scores == pytest.approx(turns, rel=1e-4) and all(0 < v <= 1 for v in scores)
