@@ -852,9 +852,9 @@ class ExperimentConfig(_Section):
                              "(generate.mcts, and score.tree on its trees), Monte Carlo turn labels (score.mc_rollouts, "
                              "mc_strategy every_prefix or first_error), turn trees grown in score (score.tree.search), the "
                              "PRM, the implicit PRM, the sampler's confidence, the ORM, best-of-N, PRM-guided turns "
-                             "(generate.search), the "
-                             "compute curve over turns (evaluate.search), DPO on episodes and on a turn tree's step "
-                             "pairs, waves until right (generate.until_correct), and grpo's step credit work")
+                             "(generate.search), the compute curve over turns (evaluate.search), DPO on episodes and "
+                             "on a turn tree's step pairs, waves until right (generate.until_correct), and grpo's step "
+                             "credit work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

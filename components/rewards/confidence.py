@@ -13,8 +13,9 @@ the sampler itself, untrained and uncalibrated, and without the PRM's carry-over
 by its own tokens (its separator included), so step credit sees where confidence fell. An agent's episode is
 scored turn by turn (`score_episodes`), over the ids each assistant turn sampled.
 
-Measured on arith (docs/grpo.md, "The sampler's confidence as the judge"): it ranks the checker's sound right
-answers above the unsound ones at an AUC near 0.9, where the implicit PRM ranks them at 0.49-0.74.
+Measured on arith (docs/grpo.md, "The checker as a judge alone, and the sampler's confidence as one"): it ranks
+the checker's sound right answers above the unsound ones at an AUC near 0.9, where the implicit PRM ranks them at
+0.49-0.74.
 """
 
 from __future__ import annotations

@@ -284,8 +284,9 @@ def test_self_imitation_trains_every_rounds_sound_right_answers(sil_run, tmp_pat
 def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_step(sil_run):
     """filter.min_step_score under grpo: every right answer has a ptx selection. In each round the judge leaves out
     exactly the right answers whose weakest step scores below the threshold the filter used (0.5, or lower where
-    more than 30% would fall below it), naming the score, and the checker those whose steps fail it. Every right answer's reward stays the verifier's, those the checker failed too. The filter reports
-    how the judge agrees with the checker."""
+    more than 30% would fall below it), naming the score, and the checker those whose steps fail it. Every right
+    answer's reward stays the verifier's, those the checker failed too. The filter reports how the judge agrees
+    with the checker."""
     store, sil = sil_run
     cols, rows = store.query(
         "SELECT t.round, s.selected, s.reason, a.steps_checked, a.outcome, v.reward, j.value AS weakest FROM "
