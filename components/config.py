@@ -233,6 +233,10 @@ class TreeLabelsSection(_Section):
                     "MCTS settings, and labels from it.")
 
 
+# score.reward_model's built-in values; any other value is a dotted path to a user's reward model.
+REWARD_MODEL_NAMES = ("none", "prm", "orm", "implicit", "confidence", "env")
+
+
 class ScoreConfig(_Section):
     """Step labels (Monte Carlo rollouts, oracle) and reward-model scores for the round's trajectories."""
 
@@ -250,9 +254,9 @@ class ScoreConfig(_Section):
     @field_validator("reward_model")
     @classmethod
     def _known_reward_model(cls, v: str) -> str:
-        if v not in ("none", "prm", "orm", "implicit", "confidence", "env") and ":" not in v:
-            raise ValueError(f"unknown reward model {v!r}: use none, prm, orm, implicit, confidence, env or a dotted "
-                             "path 'pkg.module:Class'")
+        if v not in REWARD_MODEL_NAMES and ":" not in v:
+            raise ValueError(f"unknown reward model {v!r}: use {', '.join(REWARD_MODEL_NAMES)} or a dotted path "
+                             "'pkg.module:Class'")
         return v
     implicit_beta: float = Field(0.05, gt=0.0, description="beta of the implicit PRM (PRIME's value).")
     mc_rollouts: int = Field(
@@ -844,7 +848,7 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{where}: filter.step_dpo_pairs takes an environment's pairs from its turn trees, two "
                              "stored episodes that part at sibling turns; Monte Carlo turn labels keep no winning "
                              "continuation to pair with: set score.tree (with generate.mcts or score.tree.search)")
-        unsupported = {f"score.reward_model={rm}": rm not in ("none", "prm", "orm", "implicit", "confidence", "env"),
+        unsupported = {f"score.reward_model={rm}": rm not in REWARD_MODEL_NAMES,
                        "filter.check_steps": self.filter.check_steps}
         bad = [k for k, v in unsupported.items() if v]
         if bad:

@@ -116,6 +116,43 @@ def token_logprobs(logits: Any, input_ids: Any) -> Any:
     return logits[:, :-1].float().log_softmax(-1).gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
+def sequence_logprobs(model: Any, ids: list[list[int]], pad_id: int, dev: str, batch_size: int) -> list[Any]:
+    """Per sequence, `token_logprobs` under `model`: a float32 CPU tensor of len - 1, token t's at index t - 1.
+    Batched by length and right-padded, so a batch pads little."""
+    import torch
+
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out: dict[int, Any] = {}
+    for b in range(0, len(order), batch_size):
+        idx = order[b:b + batch_size]
+        x, mask = pad_right([ids[i] for i in idx], pad_id)
+        x, mask = x.to(dev), mask.to(dev)
+        with torch.inference_mode():
+            lp = token_logprobs(model(input_ids=x, attention_mask=mask).logits, x).cpu()
+        out |= {i: lp[row, : len(ids[i]) - 1] for row, i in enumerate(idx)}
+    return [out[i] for i in range(len(ids))]
+
+
+def episode_turns(tok: Any, path: str, chats: list[list[dict[str, Any]]], where: str
+                  ) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """Episodes encoded append-only as they were sampled (`envs.agent.ChatEncoder`), and per episode the token
+    span [a, b) of each assistant turn; an episode whose assistant turns do not match its runs of assistant tokens
+    is an error naming `where` and the episode."""
+    from components.envs.agent import ChatEncoder, assistant_spans
+
+    enc = ChatEncoder(tok, path)
+    encoded = [enc.encode(chat, add_generation_prompt=False) for chat in chats]
+    spans = []
+    for k, (chat, (_, mask)) in enumerate(zip(chats, encoded, strict=True)):
+        runs = assistant_spans(mask)
+        turns = sum(m["role"] == "assistant" for m in chat)
+        if len(runs) != turns:
+            raise ValueError(f"{where}: episode {k} has {turns} assistant turns but {len(runs)} runs of assistant "
+                             "tokens")
+        spans.append(runs)
+    return [ids for ids, _ in encoded], spans
+
+
 def trainer_kwargs(params: Any, output_dir: str) -> dict[str, Any]:
     """`TrainingArguments` fields common to the PRM and ORM trainers (both are `transformers.Trainer`s)."""
     return dict(

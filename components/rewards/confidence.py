@@ -24,7 +24,7 @@ import math
 from typing import Any
 
 from components.models.prompts import PromptFormat, check_prompt_format, render_prompt
-from components.rewards import device, pad_right, token_logprobs
+from components.rewards import device, episode_turns, sequence_logprobs
 from components.rewards.prm import STEP_SEPARATOR, StepTokens, cut_steps, encode_steps
 
 
@@ -58,43 +58,19 @@ class SamplerConfidence:
                for p, s in zip(prompts, steps, strict=True)]
         scored = [i for i, e in enumerate(enc) if e.ends]
         out: list[list[float]] = [[] for _ in prompts]
-        for i, lp in zip(scored, self._logprobs([enc[i].ids for i in scored], batch_size), strict=True):
-            out[i] = least_likely(lp, enc[i])
+        lps = sequence_logprobs(self.model, [enc[i].ids for i in scored], self.pad_id, self.device, batch_size)
+        for i, lp in zip(scored, lps, strict=True):
+            out[i] = least_likely(lp.tolist(), enc[i])
         return out
 
     def score_episodes(self, chats: list[list[dict[str, Any]]], batch_size: int = 32) -> list[list[float]]:
         """Per episode, one score per assistant turn: the probability of the least likely id that turn sampled, in
         the conversation encoded append-only as it was sampled (`envs.agent.ChatEncoder`). Observations, tool
         results and the template's headers are the environment's, so they count for nothing."""
-        from components.envs.agent import ChatEncoder, assistant_spans
-
-        encoded = [ChatEncoder(self.tok, self.path).encode(chat, add_generation_prompt=False) for chat in chats]
-        out = []
-        for k, ((_, mask), lp) in enumerate(zip(encoded, self._logprobs([ids for ids, _ in encoded], batch_size),
-                                                strict=True)):
-            runs = assistant_spans(mask)
-            if len(runs) != sum(m["role"] == "assistant" for m in chats[k]):
-                raise ValueError(f"SamplerConfidence.score_episodes: episode {k} has "
-                                 f"{sum(m['role'] == 'assistant' for m in chats[k])} assistant turns but {len(runs)} "
-                                 "runs of assistant tokens")
-            # Token t's log-probability sits at index t - 1; a turn never starts at token 0 (the system turn's).
-            out.append([math.exp(min(lp[a - 1:b - 1])) for a, b in runs])
-        return out
-
-    def _logprobs(self, ids: list[list[int]], batch_size: int) -> list[list[float]]:
-        """Per sequence, log p of token t given those before it, at index t - 1: batched by length, right-padded."""
-        import torch
-
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-        out: dict[int, list[float]] = {}
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
-            x, mask = pad_right([ids[i] for i in idx], self.pad_id)
-            with torch.inference_mode():
-                logits = self.model(input_ids=x.to(self.device), attention_mask=mask.to(self.device)).logits
-                lp = token_logprobs(logits, x.to(self.device)).cpu()
-            out |= {i: lp[row, : len(ids[i]) - 1].tolist() for row, i in enumerate(idx)}
-        return [out[i] for i in range(len(ids))]
+        ids, spans = episode_turns(self.tok, self.path, chats, "SamplerConfidence.score_episodes")
+        # Token t's log-probability sits at index t - 1; a turn never starts at token 0 (the system turn's).
+        lps = sequence_logprobs(self.model, ids, self.pad_id, self.device, batch_size)
+        return [[math.exp(float(lp[a - 1:b - 1].min())) for a, b in runs] for lp, runs in zip(lps, spans, strict=True)]
 
     def _fit(self, enc: StepTokens) -> StepTokens:
         cut = cut_steps(enc, self.max_length)

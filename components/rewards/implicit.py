@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from components.models.prompts import PromptFormat, check_prompt_format, render_prompt
-from components.rewards import device, pad_right, token_logprobs
+from components.rewards import device, episode_turns, sequence_logprobs
 from components.rewards.prm import STEP_SEPARATOR, encode_steps
 
 
@@ -57,42 +57,20 @@ def _load_pair(policy_path: str, reference_path: str, dev: str, where: str):
 
 
 def _log_ratios(policy: Any, reference: Any, ids: list[list[int]], pad_id: int, beta: float, dev: str,
-                batch_size: int):
-    """Per sequence, beta * (log pi - log pi_ref) of token t at index t - 1, batched by length."""
-    import torch
-
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    out: dict[int, Any] = {}
-    for b in range(0, len(order), batch_size):
-        idx = order[b:b + batch_size]
-        x, mask = pad_right([ids[i] for i in idx], pad_id)
-        x, mask = x.to(dev), mask.to(dev)
-        with torch.inference_mode():
-            logps = [token_logprobs(m(input_ids=x, attention_mask=mask).logits, x) for m in (policy, reference)]
-            ratio = (beta * (logps[0] - logps[1])).cpu()
-        out |= {i: ratio[row] for row, i in enumerate(idx)}
-    return out
+                batch_size: int) -> list[Any]:
+    """Per sequence, beta * (log pi - log pi_ref) of token t at index t - 1."""
+    pol, ref = (sequence_logprobs(m, ids, pad_id, dev, batch_size) for m in (policy, reference))
+    return [beta * (a - b) for a, b in zip(pol, ref, strict=True)]
 
 
 def implicit_turn_rewards(policy_path: str, reference_path: str, chats: list[list[dict[str, Any]]], beta: float = 0.05,
                           batch_size: int = 32, device_name: str | None = None) -> list[list[float]]:
     """Per episode, one reward per assistant turn: beta * sum of log pi - log pi_ref over the ids that turn
     sampled, in the conversation as it was sampled."""
-    from components.envs.agent import ChatEncoder, assistant_spans
-
     dev = device_name or device()
     policy, reference, tok = _load_pair(policy_path, reference_path, dev, "implicit_turn_rewards")
-    enc = ChatEncoder(tok, policy_path)
-    encoded = [enc.encode(chat, add_generation_prompt=False) for chat in chats]
-    spans: list[list[tuple[int, int]]] = []
-    for k, (chat, (_, mask)) in enumerate(zip(chats, encoded, strict=True)):
-        runs = assistant_spans(mask)
-        turns = sum(m["role"] == "assistant" for m in chat)
-        if len(runs) != turns:
-            raise ValueError(f"implicit_turn_rewards: episode {k} has {turns} assistant turns but {len(runs)} "
-                             "runs of assistant tokens")
-        spans.append(runs)
-    ratios = _log_ratios(policy, reference, [ids for ids, _ in encoded], tok.pad_token_id, beta, dev, batch_size)
+    ids, spans = episode_turns(tok, policy_path, chats, "implicit_turn_rewards")
+    ratios = _log_ratios(policy, reference, ids, tok.pad_token_id, beta, dev, batch_size)
     # Token t's log-ratio sits at index t - 1; a turn never starts at token 0 (the system turn comes first).
     return [[float(ratios[k][a - 1:b - 1].sum()) for a, b in runs] for k, runs in enumerate(spans)]
 
