@@ -301,10 +301,12 @@ class FilterConfig(_Section):
                            "step reached the answer, so the step is likely wrong (Math-Shepherd).")
     min_step_score: float | None = Field(
         None, ge=0.0, le=1.0, description="Drop a right answer whose weakest step the judge (see judge) scores "
-                                          "below this: the PRM as a learned step checker (no effect before a PRM "
-                                          "exists). Under recipe grpo the round's reward model judges which right "
-                                          "answers self-imitation (train_policy.grpo.ptx_pool) trains on; their "
-                                          "rewards are left alone.")
+                                          "below this: the step reward model as a learned step checker. With "
+                                          "judge=previous it is the one score.reward_model runs (the previous "
+                                          "round's PRM: no effect before one exists; the implicit PRM; the "
+                                          "sampler's confidence, round 1 too). Under recipe grpo the round's reward "
+                                          "model judges which right answers self-imitation "
+                                          "(train_policy.grpo.ptx_pool) trains on; their rewards are left alone.")
     judge: Literal["previous", "round"] = Field(
         "previous", exclude_if=lambda v: v == "previous",
         description="Which PRM judges the round's right answers against min_step_score. 'previous': the previous "

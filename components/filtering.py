@@ -63,12 +63,12 @@ CHECKER = "steps do not check"  # the reason the domain's step checker gives
 def step_rejects(
     trajectory_ids: list[str], *, checker: dict[str, bool | None] | None = None,
     mc_dead_step: dict[str, int] | None = None, prm_min: dict[str, float] | None = None,
-    min_step_score: float | None = None,
+    min_step_score: float | None = None, judge: str = "prm",
 ) -> dict[str, str]:
     """Why each trajectory's steps are judged wrong, naming every judge that rejects it: the domain's step
     checker (`checker`: False rejects), Monte Carlo labels (`mc_dead_step`: the first step no rollout got
-    past) and the PRM (`prm_min`, its weakest step's score, below `min_step_score`). Absent: no judge
-    objects.
+    past) and the step reward model named `judge` (`prm_min`, its weakest step's score, below `min_step_score`).
+    Absent: no judge objects.
 
     >>> step_rejects(["a", "b", "c"], checker={"a": False, "b": True}, mc_dead_step={"c": 1},
     ...              prm_min={"a": 0.9, "b": 0.125, "c": 0.2}, min_step_score=0.5)
@@ -83,7 +83,7 @@ def step_rejects(
         if mc_dead_step and tid in mc_dead_step:
             why.append(f"mc_hard: no rollout from step {mc_dead_step[tid]} reached the answer")
         if min_step_score is not None and prm_min and tid in prm_min and prm_min[tid] < min_step_score:
-            why.append(f"prm: weakest step {prm_min[tid]:.3f} < min_step_score {min_step_score:g}")
+            why.append(f"{judge}: weakest step {prm_min[tid]:.3f} < min_step_score {min_step_score:g}")
         if why:
             out[tid] = "; ".join(why)
     return out

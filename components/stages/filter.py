@@ -60,15 +60,17 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         for lab in sorted(labels, key=lambda r: r["step_index"]):
             if lab["source"] == "mc_hard" and lab["value"] == 0.0:
                 mc_dead.setdefault(lab["trajectory_id"], lab["step_index"])
-    judge, judge_scorer = (judge_rows, "judge") if f.judge == "round" else (score_rows, "prm")
-    prm_min = {s["trajectory_id"]: s["value"] for s in judge if s["scorer"] == judge_scorer and s["aggregate"] == "min"}
+    if f.judge == "round":  # this round's PRM, which never trained on the round's right answers
+        judge_name, prm_min = "prm", step_judge(judge_rows, "judge")[1]
+    else:  # the score stage's: the previous round's PRM, the implicit PRM or the sampler's confidence
+        judge_name, prm_min = step_judge(score_rows)
     ids = [t["trajectory_id"] for t in trajs]
     weakest = {t: prm_min[t] for t in ids if correct.get(t) and t in prm_min}  # the judge's view of the right answers
     threshold = judge_threshold(list(weakest.values()), f.min_step_score, f.judge_max_drop)  # calibrated on them
-    # The learned judges (Monte Carlo labels, the PRM) apart from the checker, to measure them against it.
-    judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=threshold)
+    # The learned judges (Monte Carlo labels, the step reward model) apart from the checker, to measure them by it.
+    judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=threshold, judge=judge_name)
     rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, prm_min=prm_min,
-                           min_step_score=threshold)
+                           min_step_score=threshold, judge=judge_name)
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
                       dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
     n_sel = sum(r["selected"] for r in rows)
@@ -294,6 +296,25 @@ def step_rewards(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]]
             mc.setdefault(lab["trajectory_id"], {})[lab["step_index"]] = lab["value"]
     got = complete(mc)
     return (got, "mc_soft labels") if got else ({}, "")
+
+
+def step_judge(scores: list[dict[str, Any]], scorer: str | None = None) -> tuple[str, dict[str, float]]:
+    """The step reward model that judges a round's right answers against filter.min_step_score, and each
+    trajectory's weakest step under it: `scorer` where given (the round's own PRM, `judge`), else the first of
+    RANKERS, then a user's, that scored steps this round (the previous round's PRM, the implicit PRM, the
+    sampler's confidence). ("prm", {}) where none did: before a PRM exists the judge drops nothing.
+
+    >>> s = [{"trajectory_id": "t", "scorer": "confidence", "step_index": -1, "aggregate": "min", "value": 0.25},
+    ...      {"trajectory_id": "t", "scorer": "outcome", "step_index": -1, "aggregate": "outcome", "value": 1.0}]
+    >>> step_judge(s)
+    ('confidence', {'t': 0.25})
+    """
+    named = sorted({s["scorer"] for s in scores} - {*RANKERS, "outcome"})
+    for name in [scorer] if scorer else (*RANKERS, *named):
+        weakest = {s["trajectory_id"]: s["value"] for s in scores if s["scorer"] == name and s["aggregate"] == "min"}
+        if weakest:
+            return name, weakest
+    return "prm", {}
 
 
 def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any]],

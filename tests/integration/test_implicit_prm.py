@@ -1,5 +1,6 @@
-"""The implicit PRM (`score.reward_model: implicit`) through the real flow: configs/micro.yaml (recipe
-rft), 2 rounds, with the policy/round-0 log-ratio scoring steps, ranking the filter and best-of-N.
+"""The reward models that need no training, through the real flow on configs/micro.yaml (recipe rft): the
+implicit PRM (`score.reward_model: implicit`), 2 rounds, with the policy/round-0 log-ratio scoring steps, ranking
+the filter and best-of-N; and the sampler's confidence as the filter's judge, 1 round.
 
     .venv/bin/python -m pytest tests/integration/test_implicit_prm.py -q
 """
@@ -97,3 +98,41 @@ def test_evaluation_reports_implicit_best_of_n(implicit_run):
     for rnd in (1, 2):
         assert 0.0 <= got[(rnd, "implicit_bon_at_4")] <= got[(rnd, "pass_at_4")]
     assert (0, "implicit_bon_at_4") not in got  # round 0's policy is the reference
+
+
+@pytest.fixture(scope="module")
+def confidence_run(prefect_server, micro_workdir, tmp_path_factory):
+    from flows.evolution import self_evolution
+
+    config = REPO / "configs" / "micro.yaml"
+    overrides = [f"workdir={tmp_path_factory.mktemp('confidence')}", "experiment=micro-confidence", "rounds=1",
+                 *micro_workdir.start_from_round0(), "filter.check_steps=false", "score.reward_model=confidence",
+                 "filter.min_step_score=0.5", *SHORT_SFT]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg)
+
+
+def test_the_samplers_confidence_judges_what_rft_trains_on(confidence_run):
+    """rft's filter judges with whatever step reward model the score stage ran, not only a trained PRM: the
+    sampler's confidence leaves out exactly the right answers whose least likely token it sampled below
+    min_step_score, naming itself, and the checker (off) measures it."""
+    import json
+
+    cfg, store = confidence_run
+    rows = store.rows("""
+        SELECT t.trajectory_id, v.correct, s.value AS weakest, sel.selected, sel.reason
+        FROM trajectories t JOIN verifications v USING (trajectory_id)
+        JOIN scores s ON s.trajectory_id = t.trajectory_id AND s.scorer = 'confidence' AND s.aggregate = 'min'
+        JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
+        WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train'""", [cfg.experiment])
+    right = [r for r in rows if r["correct"]]
+    low = [r for r in right if r["weakest"] < cfg.filter.min_step_score]
+    assert low and len(low) < len(right), "the judge must drop some right answers and keep others"
+    assert all(not r["selected"] and r["reason"].startswith("confidence: weakest step") for r in low)
+    assert not any(r["reason"].startswith("confidence:") for r in right if r not in low)
+    assert any(r["selected"] for r in right)
+    metrics = json.loads(store.query("SELECT metrics_json FROM stage_runs WHERE experiment_id=? AND stage='filter' "
+                                     "AND status='committed'", [cfg.experiment])[1][0][0])
+    assert metrics["judge_min_step_score"] == cfg.filter.min_step_score
+    assert 0.0 <= metrics["judge_auc"] <= 1.0  # the checker, off, still measures the judge
