@@ -23,6 +23,10 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
 - `coevo-judge-cap`: coevo-judge whose threshold is calibrated each round on the answers it judges: it drops at
   most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`); `coevo-judge-cap20` at most 20%;
   `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate, `-lr4` at a tenth;
+- `rft-confjudge`: rft-outcome whose judge is the sampler's confidence (`score.reward_model=confidence`): a step
+  scores the probability of its least likely token under the policy that sampled it. Nothing trains and nothing
+  rolls out, so it costs rft-outcome's tokens. It drops the right answers whose weakest step scores below
+  CONF_THRESHOLD, at most 30% of them, the lowest first;
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -55,6 +59,8 @@ sys.path.insert(0, str(REPO))
 BOOT = "prm-boot"
 # The PRM's verdict on a step is P(good); a right answer whose weakest step it scores below one half is dropped.
 PRM_FILTER = ["filter.check_steps=false", "filter.min_step_score=0.5"]
+# The sampler's confidence judge drops a right answer one of whose tokens it sampled at a probability below this.
+CONF_THRESHOLD = 0.5
 ARMS: dict[str, tuple[str, list[str]]] = {
     "rft-outcome": ("configs/arith.yaml", ["filter.check_steps=false"]),
     "coevo-outcome": ("configs/arith-coevo.yaml", PRM_FILTER),
@@ -76,14 +82,22 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                                                         "train_reward.learning_rate=3e-4"]),
     "coevo-judge-cap-lr4": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                          "train_reward.learning_rate=1e-4"]),
+    "rft-confjudge": ("configs/arith.yaml", ["filter.check_steps=false", "score.reward_model=confidence",
+                                             f"filter.min_step_score={CONF_THRESHOLD}", "filter.judge_max_drop=0.3"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's likelihood,
-# the filter's judge and the sampler together (the sum of their z-scores within the round), and the answer's own
+# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's confidence
+# (its least likely token, as rft-confjudge's filter scored it), the sampler's likelihood, the filter's judge and the sampler together (the sum of their z-scores within the round), and the answer's own
 # Monte Carlo values (its weakest prefix's share of the sampler's rollouts that reach the answer).
-RANKERS = ("judge", "prm", "sampler", "both", "mc")
-COEVO_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
-              "coevo-judge-cap-lr", "coevo-judge-cap-lr4")
+RANKERS = ("judge", "prm", "confidence", "sampler", "both", "mc")
+# A `selections` reason that starts with one of these: a learned judge dropped the right answer (the checker apart).
+JUDGED = ("prm:", "confidence:", "mc_hard:")
+# The filter's own judge among them: the round's PRM (filter.judge=round), else the previous round's, else the
+# sampler's confidence (rft-confjudge).
+FILTER_JUDGES = ("judge", "prm", "confidence")
+# The arms a judge filters, against rft-outcome and rft-checker.
+JUDGE_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
+              "coevo-judge-cap-lr", "coevo-judge-cap-lr4", "rft-confjudge")
 
 
 def _sampler() -> list[str]:
@@ -190,7 +204,7 @@ def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
     for r in rows:
         if d.check_steps(r["prompt"], r["completion"]) is False:
             k = kinds["a skipped or added step" if r["oracle_ok"] else "a wrong step"]
-            k[0] += r["reason"].startswith(("prm:", "mc_hard:"))
+            k[0] += r["reason"].startswith(JUDGED)
             k[1] += 1
     return {k: (c, n) for k, (c, n) in kinds.items() if n}
 
@@ -211,7 +225,7 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
         SELECT t.round, t.trajectory_id, t.prompt, t.completion, t.token_ids, m.uri AS sampler, sc.scorer, sc.value,
                p.answer AS answer_ref
         FROM trajectories t JOIN verifications v USING (trajectory_id) JOIN problems p USING (problem_id)
-        JOIN scores sc ON sc.trajectory_id = t.trajectory_id AND sc.aggregate = 'min' AND sc.scorer IN ('judge', 'prm')
+        JOIN scores sc ON sc.trajectory_id = t.trajectory_id AND sc.aggregate = 'min' AND sc.scorer IN ('judge', 'prm', 'confidence')
         JOIN stage_runs sr ON sr.stage_run_id = sc.stage_run_id AND sr.round = t.round AND sr.status = 'committed'
         JOIN models m ON m.model_id = t.policy_model_id
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct""", [name])
@@ -219,7 +233,8 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
         SELECT t.round, count(*) FROM trajectories t JOIN verifications v USING (trajectory_id)
         JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct
-          AND (sel.reason LIKE 'prm:%' OR sel.reason LIKE 'mc_hard:%') GROUP BY ALL""", [name])[1]}
+          AND split_part(sel.reason, ':', 1) IN (SELECT unnest(?)) GROUP BY ALL""",
+        [name, [j.rstrip(":") for j in JUDGED]])[1]}
     checker = {r["trajectory_id"]: d.check_steps(r["prompt"], r["completion"]) for r in rows}
     weakest: dict[tuple[int, str], dict[str, float]] = {}
     for r in rows:
@@ -228,7 +243,7 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
         for rnd in {r["round"] for r in rows}:
             answers = {r["trajectory_id"]: r for r in rows if r["round"] == rnd}
             weakest[(rnd, "sampler")] = ll = _sampler_loglik(list(answers.values()))
-            own = weakest.get((rnd, "judge"), weakest.get((rnd, "prm")))
+            own = next((weakest[(rnd, w)] for w in FILTER_JUDGES if (rnd, w) in weakest), None)
             if own:
                 zj, zl = _z(own), _z({t: ll[t] for t in own})
                 weakest[(rnd, "both")] = {t: zj[t] + zl[t] for t in own}
@@ -367,7 +382,7 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
     print(f"{'arm':<18} {'seed':>4} {'round':>5}  " + "  ".join(f"{w + ' auc/catch':>16}" for w in RANKERS))
     out["ranking"] = {}
     for (arm, s), rows in data.items():
-        if arm not in COEVO_ARMS:
+        if arm not in JUDGE_ARMS:
             continue
         ranked = _ranking(store, experiment(arm, s), sampler, mc)
         out["ranking"][experiment(arm, s)] = ranked
@@ -375,10 +390,9 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
             cells = [f"{by[w]['judge_auc']:.3f}/{by[w]['judge_hindsight_catch']:.3f}" if w in by else "-"
                      for w in RANKERS]
             print(f"{arm:<18} {s:>4} {rnd:>5}  " + "  ".join(f"{c:>16}" for c in cells))
-    for arm in (a for a in COEVO_ARMS if any((a, s) in data for s in seeds)):
-        # The filter's own judge: the round's PRM where it has one (filter.judge=round), else the previous round's.
-        later = [by.get("judge", by.get("prm")) for s in seeds for rnd, by in
-                 out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 2 and {"judge", "prm"} & set(by)]
+    for arm in (a for a in JUDGE_ARMS if any((a, s) in data for s in seeds)):
+        later = [next(by[w] for w in FILTER_JUDGES if w in by) for s in seeds for rnd, by in
+                 out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 2 and set(FILTER_JUDGES) & set(by)]
         if later:
             met = sum(r["judge_hindsight_catch"] >= 0.8 for r in later)
             print(f"{arm}: from round 2 on, a threshold chosen in hindsight catches >= 0.8 at <= 5% of the sound "
@@ -398,7 +412,7 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
     base, ref = final.get("rft-outcome"), final.get("rft-checker")
     print("\n== recovery, catch rate and tokens (goals: recovery >= 0.75 on both, catch >= 0.80 with <= 0.10 of "
           "good ones rejected, tokens <= rft-outcome's) ==")
-    for arm in (a for a in COEVO_ARMS if a in final):
+    for arm in (a for a in JUDGE_ARMS if a in final):
         f = final[arm]
         rec = {}
         for key in ("all", "hard"):
@@ -454,7 +468,7 @@ def _plot(data: dict, workdir: Path, save, plt) -> None:
     ax = axes[3]  # the PRM as a judge, round by round: what it catches against what it wrongly drops
     for (arm, s), rows in data.items():
         pts = [(r["round"], 100 * r["catch"], 100 * r["false_reject"]) for r in rows if r["catch"] is not None]
-        if arm in COEVO_ARMS and pts:
+        if arm in JUDGE_ARMS and pts:
             style = "-" if s == min(x for _, x in data) else "--"
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[arm], linestyle=style)
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", color=colors[arm], linestyle=style, alpha=0.5)
