@@ -55,8 +55,8 @@ def check(cfg) -> None:
                              "right_answers or all_right_answers, or leave filter.min_step_score unset")
         if rm in ("none", "orm"):
             raise ValueError(f"{judges} by their weakest step, and score.reward_model={rm} scores no steps: set "
-                             "score.reward_model=prm (with train_reward.enabled), implicit, or a step reward model by "
-                             "dotted path")
+                             "score.reward_model=prm (with train_reward.enabled), implicit, confidence, or a step "
+                             "reward model by dotted path")
     if g.unsound_reward != "zero":
         keeps = f"train_policy.grpo.unsound_reward={g.unsound_reward} keeps the step checker out of the reward"
         if not cfg.filter.check_steps:
