@@ -835,9 +835,11 @@ class ExperimentConfig(_Section):
         if es is not None and es.level is not None and self.evaluate.levels and es.level not in self.evaluate.levels:
             raise ValueError(f"evaluate.search.level={es.level} is not among evaluate.levels={self.evaluate.levels}: "
                              "the curve is drawn on evaluated problems")
-        if self.evaluate.best_of_n and not self.train_reward.enabled and self.score.reward_model != "implicit":
+        if (self.evaluate.best_of_n and not self.train_reward.enabled
+                and self.score.reward_model not in ("implicit", "confidence")):
             raise ValueError("evaluate.best_of_n ranks samples with the round's reward model: set "
-                             "train_reward.enabled=true (recipe coevo), score.reward_model=implicit, or best_of_n=[]")
+                             "train_reward.enabled=true (recipe coevo), score.reward_model=implicit or confidence, or "
+                             "best_of_n=[]")
         return self
 
     def _check_agent_environment(self) -> None:

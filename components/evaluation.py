@@ -109,12 +109,14 @@ def reward_metrics(
     round: int, model_id: str, prm_steps: dict[str, list[float]] | None = None,
     orm_scores: dict[str, float] | None = None, oracle: dict[str, list[bool]] | None = None,
     steps: dict[str, list[str]] | None = None, implicit_scores: dict[str, float] | None = None,
+    confidence_scores: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Reward-model metrics on held-out samples, as `evaluations` rows per level and overall.
 
-    - `maj_at_N`, `pass_at_N`, and `prm_bon_at_N` / `orm_bon_at_N` / `implicit_bon_at_N`: best-of-N
-      picks the top reward among a problem's first N samples (PRM: the weakest step, `min`, as in
-      Lightman et al. 2023; `implicit_scores` are already one value per trajectory);
+    - `maj_at_N`, `pass_at_N`, and `prm_bon_at_N` / `orm_bon_at_N` / `implicit_bon_at_N` /
+      `confidence_bon_at_N`: best-of-N picks the top reward among a problem's first N samples (PRM: the weakest
+      step, `min`, as in Lightman et al. 2023; `implicit_scores` and `confidence_scores`, the sampler's own
+      weakest step as DeepConf ranks traces, are already one value per trajectory);
     - B-STaR (Zeng et al. 2024) exploration and exploitation: `distinct_correct_at_N` and
       `prm_selection_acc_at_N` (on problems with both right and wrong samples);
     - step level against the oracle: `prm_step_*` (the correct-step class), `prm_error_*` (the
@@ -142,7 +144,7 @@ def reward_metrics(
             m[f"pass_at_{n}"].append(re_.pass_at_n([ok], n))
             m[f"distinct_correct_at_{n}"].append(re_.distinct_correct([[(t["completion"], o) for t, o in zip(group, ok)]], n))
             for name, scores in (("prm", prm_min if prm_steps else None), ("orm", orm_scores),
-                                 ("implicit", implicit_scores)):
+                                 ("implicit", implicit_scores), ("confidence", confidence_scores)):
                 if scores is not None:
                     g = [[(scores[t["trajectory_id"]], o) for t, o in zip(group, ok)]]
                     m[f"{name}_bon_at_{n}"].append(re_.best_of_n(g, n))

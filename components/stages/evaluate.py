@@ -12,7 +12,7 @@ from components.envs.rollout import episode_steps, is_agent
 from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
                                     merged_counts, reward_model_of, reward_scores, steps_by_trajectory, write)
 
-ROLES = ("prm", "orm", "implicit")
+ROLES = ("prm", "orm", "implicit", "confidence")
 
 
 @dataclass
@@ -26,6 +26,8 @@ class Inputs:
     implicit_uri: str | None = None  # score.reward_model=implicit: this round's policy against round 0's
     implicit_model_id: str | None = None
     reference_uri: str | None = None
+    confidence_uri: str | None = None  # score.reward_model=confidence: this round's policy scores its own samples
+    confidence_model_id: str | None = None
 
 
 def plan(p: Planner) -> Inputs:
@@ -43,6 +45,8 @@ def plan(p: Planner) -> Inputs:
     if cfg.score.reward_model == "implicit" and p.round > 0:
         inputs.implicit_uri, inputs.implicit_model_id = policy["uri"], policy["model_id"]
         inputs.reference_uri = p.model(0)["uri"]
+    if cfg.score.reward_model == "confidence":  # round 0 too: the policy needs no reference
+        inputs.confidence_uri, inputs.confidence_model_id = policy["uri"], policy["model_id"]
     return inputs
 
 
@@ -191,7 +195,7 @@ def evaluation_rows(spec: StageSpec, problems: list, trajectories: list[dict[str
     oracle: dict[str, list[bool]] = {}
     for r in tables["step_labels"]:
         oracle.setdefault(r["trajectory_id"], []).append(r["value"] == 1.0)
-    prm_steps, orm, implicit = None, None, None
+    prm_steps, orm, weakest = None, None, {}
     for role in roles:
         got = [r for r in tables["scores"] if r["model_id"] == getattr(inp, f"{role}_model_id")]
         if role == "prm":
@@ -201,12 +205,13 @@ def evaluation_rows(spec: StageSpec, problems: list, trajectories: list[dict[str
                     prm_steps[r["trajectory_id"]].append(r["value"])
         elif role == "orm":
             orm = {r["trajectory_id"]: r["value"] for r in got}
-        else:  # the weakest step ranks, as for the PRM
-            implicit = {r["trajectory_id"]: r["value"] for r in got if r["aggregate"] == "min"}
+        else:  # the implicit PRM, the sampler's confidence: the weakest step ranks, as for the PRM
+            weakest[role] = {r["trajectory_id"]: r["value"] for r in got if r["aggregate"] == "min"}
     have = {(r["level"], r["metric"]) for r in rows}  # maj@N and pass@N for N = maj_k are already there
     return rows + [r for r in reward_metrics(trajectories, correct, best_of_n=e.best_of_n, experiment=spec.experiment,
                                              round=spec.round, model_id=inp.policy_model_id, prm_steps=prm_steps,
-                                             orm_scores=orm, implicit_scores=implicit, oracle=oracle, steps=steps)
+                                             orm_scores=orm, implicit_scores=weakest.get("implicit"),
+                                             confidence_scores=weakest.get("confidence"), oracle=oracle, steps=steps)
                    if (r["level"], r["metric"]) not in have]
 
 
@@ -214,9 +219,10 @@ def row_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     metrics = {(r["metric"] if r["level"] == -1 else f"{r['metric']}_L{r['level']}"): r["value"] for r in rows}
     log("evaluate", " ".join(f"L{r['level']}={r['value']:.2f}" for r in rows
                              if r["metric"] == "greedy_acc" and r["level"] >= 0))
-    if any(k.startswith(("prm_", "orm_", "implicit_")) for k in metrics):
+    if any(k.startswith(("prm_", "orm_", "implicit_", "confidence_")) for k in metrics):
         log("evaluate", " ".join(f"{k}={metrics[k]:.3f}" for k in sorted(metrics)
-                                 if k.startswith(("prm_bon", "orm_bon", "implicit_bon", "maj_at", "prm_step_f1",
+                                 if k.startswith(("prm_bon", "orm_bon", "implicit_bon", "confidence_bon", "maj_at",
+                                                  "prm_step_f1",
                                                   "processbench")) and "_L" not in k))
     return metrics
 

@@ -50,9 +50,10 @@ _DUCKDB_TYPES = {"string": "VARCHAR", "int32": "INTEGER", "int64": "BIGINT", "do
 # and `v_search`; 7 adds `step_pairs.source`, `chosen_q` and `rejected_q` (pairs from a tree); 8 adds
 # `advantages.process` and `process_return` (step-level credit); 9 has `v_round_summary` count a round's pass rate by
 # stage run (the same values; the view took 0.81 s at 100M steps, against 3.6 s); 10 adds
-# `advantages.steps_checked` (filter.check_steps under recipe grpo). An older store's first writer adds the tables
-# and columns it lacks. A higher version was made by a newer coevo.
-SCHEMA_VERSION = 10
+# `advantages.steps_checked` (filter.check_steps under recipe grpo); 11 adds
+# `v_trajectory_scores.confidence_min_step_score` (the sampler's confidence). An older store's first writer adds the
+# tables and columns it lacks, and makes the views again. A higher version was made by a newer coevo.
+SCHEMA_VERSION = 11
 LEGACY_FILE = "coevo.duckdb"  # the single-file store of versions before the lake, beside the store's folder
 
 
@@ -167,6 +168,7 @@ SELECT t.experiment_id, t.round, t.trajectory_id, t.problem_id, t.level, t.sampl
        max(s.value) FILTER (WHERE s.scorer = 'prm' AND s.aggregate = 'mean') AS mean_step_score,
        max(s.value) FILTER (WHERE s.scorer = 'orm') AS orm_score,
        max(s.value) FILTER (WHERE s.scorer = 'implicit' AND s.aggregate = 'min') AS implicit_min_step_score,
+       max(s.value) FILTER (WHERE s.scorer = 'confidence' AND s.aggregate = 'min') AS confidence_min_step_score,
        any_value(s.model_id) FILTER (WHERE s.scorer = 'prm') AS prm_model_id
 FROM trajectories t
 LEFT JOIN verifications v USING (trajectory_id)

@@ -1,6 +1,6 @@
 """The reward models that need no training, through the real flow on configs/micro.yaml (recipe rft): the
 implicit PRM (`score.reward_model: implicit`), 2 rounds, with the policy/round-0 log-ratio scoring steps, ranking
-the filter and best-of-N; and the sampler's confidence as the filter's judge, 1 round.
+the filter and best-of-N; and the sampler's confidence as the filter's judge and best-of-N's ranker, 1 round.
 
     .venv/bin/python -m pytest tests/integration/test_implicit_prm.py -q
 """
@@ -107,7 +107,7 @@ def confidence_run(prefect_server, micro_workdir, tmp_path_factory):
     config = REPO / "configs" / "micro.yaml"
     overrides = [f"workdir={tmp_path_factory.mktemp('confidence')}", "experiment=micro-confidence", "rounds=1",
                  *micro_workdir.start_from_round0(), "filter.check_steps=false", "score.reward_model=confidence",
-                 "filter.min_step_score=0.5", *SHORT_SFT]
+                 "filter.min_step_score=0.5", "evaluate.best_of_n=[4]", *SHORT_SFT]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)
@@ -136,3 +136,26 @@ def test_the_samplers_confidence_judges_what_rft_trains_on(confidence_run):
                                      "AND status='committed'", [cfg.experiment])[1][0][0])
     assert metrics["judge_min_step_score"] == cfg.filter.min_step_score
     assert 0.0 <= metrics["judge_auc"] <= 1.0  # the checker, off, still measures the judge
+
+
+def test_confidence_best_of_n_picks_each_problems_most_confident_sample(confidence_run):
+    """confidence_bon_at_4, rounds 0 and 1: per held-out problem, the first 4 samples' weakest-step confidence as the
+    round's own policy scored them (v_trajectory_scores), the highest taken (ties: the earliest), right or not."""
+    cfg, store = confidence_run
+    samples = store.rows("""
+        SELECT round, problem_id, sample_index, correct, confidence_min_step_score AS conf FROM v_trajectory_scores
+        WHERE experiment_id = ? AND trajectory_id IN (SELECT trajectory_id FROM trajectories WHERE purpose = 'eval')
+          AND sample_index BETWEEN 1 AND 4 ORDER BY round, problem_id, sample_index""", [cfg.experiment])
+    assert samples and all(r["conf"] is not None and 0.0 < r["conf"] <= 1.0 for r in samples)
+    picked: dict[int, list[bool]] = {}
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for r in samples:
+        groups.setdefault((r["round"], r["problem_id"]), []).append(r)
+    for (rnd, _), g in groups.items():
+        assert len(g) == 4
+        picked.setdefault(rnd, []).append(bool(max(g, key=lambda r: (r["conf"], -r["sample_index"]))["correct"]))
+    got = dict(store.query("SELECT round, value FROM evaluations WHERE experiment_id = ? AND level = -1 "
+                           "AND metric = 'confidence_bon_at_4'", [cfg.experiment])[1])
+    assert sorted(got) == [0, 1]
+    for rnd, ok in picked.items():
+        assert got[rnd] == pytest.approx(sum(ok) / len(ok))
