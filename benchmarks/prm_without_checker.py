@@ -36,8 +36,8 @@ slips), and the filter's catch rate (the share of right answers with unsound ste
 reject, against the share of sound ones they reject); then the seed-to-seed spread, and last the recovery
 ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
 and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
-threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood,
-alone and summed with the judge's score, `--mc-ranking` Monte Carlo rollouts from the answers' own prefixes, and
+threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood
+and its confidence, each alone and summed with the judge's score, `--mc-ranking` Monte Carlo rollouts from the answers' own prefixes, and
 what each would catch dropping as many as the judge did).
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
@@ -87,9 +87,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
 # Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's confidence
-# (its least likely token, as rft-confjudge's filter scored it), the sampler's likelihood, the filter's judge and the sampler together (the sum of their z-scores within the round), and the answer's own
+# (its least likely token, as rft-confjudge's filter scored it), the sampler's likelihood, the filter's judge with
+# the sampler's confidence (`both-conf`, z-scores summed as `both`'s), the filter's judge and the sampler together (the sum of their z-scores within the round), and the answer's own
 # Monte Carlo values (its weakest prefix's share of the sampler's rollouts that reach the answer).
-RANKERS = ("judge", "prm", "confidence", "sampler", "both", "mc")
+RANKERS = ("judge", "prm", "confidence", "sampler", "both", "both-conf", "mc")
 # A `selections` reason that starts with one of these: a learned judge dropped the right answer (the checker apart).
 JUDGED = ("prm:", "confidence:", "mc_hard:")
 # The filter's own judge among them: the round's PRM (filter.judge=round), else the previous round's, else the
@@ -212,8 +213,9 @@ def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
 def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dict[str, dict]]:
     """Per round, how each learned judge ranks the round's right answers against the checker, whatever its
     threshold (`judge_ranking`): the round's own PRM (`judge`, filter.judge=round) and the previous round's
-    (`prm`), and with `sampler`, the policy that sampled them, by its log-likelihood of the whole answer, and
-    `both`: the filter's judge plus the sampler (z-scores summed); with `mc`, Monte Carlo labels of the right
+    (`prm`), and with `sampler`, the policy that sampled them, by its log-likelihood of the whole answer and by
+    its confidence (`confidence`, its least likely token), and `both` and `both-conf`: the filter's judge plus
+    either (z-scores summed); with `mc`, Monte Carlo labels of the right
     answers' own prefixes, as score labels wrong ones (arith-coevo.yaml's k, temperature and length), ranked by the
     weakest. Each ranker also gets `at_count`: the catch and false-reject rates had it dropped as many right
     answers as the filter's judge did, its lowest first."""
@@ -244,9 +246,12 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
             answers = {r["trajectory_id"]: r for r in rows if r["round"] == rnd}
             weakest[(rnd, "sampler")] = ll = _sampler_loglik(list(answers.values()))
             own = next((weakest[(rnd, w)] for w in FILTER_JUDGES if (rnd, w) in weakest), None)
-            if own:
-                zj, zl = _z(own), _z({t: ll[t] for t in own})
+            if (rnd, "confidence") not in weakest:
+                weakest[(rnd, "confidence")] = _sampler_confidence(store, list(answers.values()))
+            if own and own is not weakest[(rnd, "confidence")]:
+                zj, zl, zc = _z(own), _z({t: ll[t] for t in own}), _z({t: weakest[(rnd, "confidence")][t] for t in own})
                 weakest[(rnd, "both")] = {t: zj[t] + zl[t] for t in own}
+                weakest[(rnd, "both-conf")] = {t: zj[t] + zc[t] for t in own}
     if mc:
         for rnd in {r["round"] for r in rows}:
             weakest[(rnd, "mc")] = _mc_weakest(store, list({r["trajectory_id"]: r for r in rows if r["round"] == rnd}
@@ -295,6 +300,25 @@ def _z(scores: dict[str, float]) -> dict[str, float]:
     m = mean(scores.values())
     sd = (sum((v - m) ** 2 for v in scores.values()) / len(scores)) ** 0.5 or 1.0
     return {t: (v - m) / sd for t, v in scores.items()}
+
+
+def _sampler_confidence(store, answers: list[dict]) -> dict[str, float]:
+    """Each answer's weakest step under the sampler's confidence, as `score.reward_model=confidence` scores it."""
+    from components.domains.arith import ArithDomain
+    from components.rewards import load_reward_model
+
+    steps: dict[str, list[str]] = {}
+    for r in store.rows("SELECT trajectory_id, text FROM steps WHERE trajectory_id IN (SELECT unnest(?)) "
+                        "ORDER BY trajectory_id, step_index", [[a["trajectory_id"] for a in answers]]):
+        steps.setdefault(r["trajectory_id"], []).append(r["text"])
+    out = {}
+    for uri in {a["sampler"] for a in answers}:
+        mine = [a for a in answers if a["sampler"] == uri]
+        rm = load_reward_model("confidence", uri, separator=ArithDomain().step_separator)
+        scores = rm.score([a["prompt"] for a in mine], [a["completion"] for a in mine],
+                          [steps[a["trajectory_id"]] for a in mine])
+        out |= {a["trajectory_id"]: min(sc) for a, sc in zip(mine, scores)}
+    return out
 
 
 def _sampler_loglik(answers: list[dict]) -> dict[str, float]:
@@ -492,7 +516,8 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="runs at once (one torch thread each)")
     ap.add_argument("--report-only", action="store_true", help="skip the runs; report what the store holds")
     ap.add_argument("--sampler-ranking", action="store_true",
-                    help="also rank each round's right answers by their sampler's log-likelihood (loads each policy)")
+                    help="also rank each round's right answers by their sampler's log-likelihood and its confidence "
+                         "(loads each policy)")
     ap.add_argument("--mc-ranking", action="store_true",
                     help="also rank them by Monte Carlo rollouts from their own prefixes (loads each policy)")
     args = ap.parse_args()
