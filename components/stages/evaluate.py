@@ -222,8 +222,7 @@ def row_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     if any(k.startswith(("prm_", "orm_", "implicit_", "confidence_")) for k in metrics):
         log("evaluate", " ".join(f"{k}={metrics[k]:.3f}" for k in sorted(metrics)
                                  if k.startswith(("prm_bon", "orm_bon", "implicit_bon", "confidence_bon", "maj_at",
-                                                  "prm_step_f1",
-                                                  "processbench")) and "_L" not in k))
+                                                  "prm_step_f1", "processbench")) and "_L" not in k))
     return metrics
 
 
