@@ -37,8 +37,8 @@ reject, against the share of sound ones they reject); then the seed-to-seed spre
 ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
 and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
 threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood
-and its confidence, each alone and summed with the judge's score, `--mc-ranking` Monte Carlo rollouts from the answers' own prefixes, and
-what each would catch dropping as many as the judge did).
+and its confidence, each alone and summed with the judge's score, `--mc-ranking` Monte Carlo rollouts from the
+answers' own prefixes, and what each would catch dropping as many as the judge did).
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
 
@@ -88,8 +88,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 }
 # Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's confidence
 # (its least likely token, as rft-confjudge's filter scored it), the sampler's likelihood, the filter's judge with
-# the sampler's confidence (`both-conf`, z-scores summed as `both`'s), the filter's judge and the sampler together (the sum of their z-scores within the round), and the answer's own
-# Monte Carlo values (its weakest prefix's share of the sampler's rollouts that reach the answer).
+# the likelihood (`both`, the sum of their z-scores within the round) and with the confidence (`both-conf`), and the
+# answer's own Monte Carlo values (its weakest prefix's share of the sampler's rollouts that reach the answer).
 RANKERS = ("judge", "prm", "confidence", "sampler", "both", "both-conf", "mc")
 # A `selections` reason that starts with one of these: a learned judge dropped the right answer (the checker apart).
 JUDGED = ("prm:", "confidence:", "mc_hard:")
@@ -227,7 +227,8 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
         SELECT t.round, t.trajectory_id, t.prompt, t.completion, t.token_ids, m.uri AS sampler, sc.scorer, sc.value,
                p.answer AS answer_ref
         FROM trajectories t JOIN verifications v USING (trajectory_id) JOIN problems p USING (problem_id)
-        JOIN scores sc ON sc.trajectory_id = t.trajectory_id AND sc.aggregate = 'min' AND sc.scorer IN ('judge', 'prm', 'confidence')
+        JOIN scores sc ON sc.trajectory_id = t.trajectory_id AND sc.aggregate = 'min'
+                      AND sc.scorer IN ('judge', 'prm', 'confidence')
         JOIN stage_runs sr ON sr.stage_run_id = sc.stage_run_id AND sr.round = t.round AND sr.status = 'committed'
         JOIN models m ON m.model_id = t.policy_model_id
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct""", [name])
@@ -248,8 +249,9 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
             own = next((weakest[(rnd, w)] for w in FILTER_JUDGES if (rnd, w) in weakest), None)
             if (rnd, "confidence") not in weakest:
                 weakest[(rnd, "confidence")] = _sampler_confidence(store, list(answers.values()))
-            if own and own is not weakest[(rnd, "confidence")]:
-                zj, zl, zc = _z(own), _z({t: ll[t] for t in own}), _z({t: weakest[(rnd, "confidence")][t] for t in own})
+            conf = weakest[(rnd, "confidence")]
+            if own and own is not conf:
+                zj, zl, zc = _z(own), _z({t: ll[t] for t in own}), _z({t: conf[t] for t in own})
                 weakest[(rnd, "both")] = {t: zj[t] + zl[t] for t in own}
                 weakest[(rnd, "both-conf")] = {t: zj[t] + zc[t] for t in own}
     if mc:
