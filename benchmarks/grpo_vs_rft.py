@@ -13,7 +13,7 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
   reported against every rft arm;
 - any
   `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
-  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]` (with `--arms`): that
+  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]` (with `--arms`): that
   rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
   (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`) sampled at
   temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations beside the policy gradient at
@@ -91,8 +91,11 @@ SHAPING |= {"prmjudge": [*PRM, "filter.min_step_score=0.5", "filter.judge_max_dr
 # Or the sampler's own confidence judges (score.reward_model confidence: a step's least likely token; no rollouts,
 # no training): right answers whose least likely token had p < 0.3, at most half of a round's.
 SHAPING |= {"confjudge": ["score.reward_model=confidence", "filter.min_step_score=0.3", "filter.judge_max_drop=0.5"]}
+# `confjudgehi`: the same at p < 0.5, as rft's confidence judge in prm_without_checker.py: it catches more unsound
+# right answers and drops more sound ones.
+SHAPING |= {"confjudgehi": [*SHAPING["confjudge"][:1], "filter.min_step_score=0.5", "filter.judge_max_drop=0.5"]}
 # A judge arm's number is the most it may leave out of a round's right answers (filter.judge_max_drop), not a weight.
-NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge", "confjudge"], "filter.judge_max_drop")
+NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge", "confjudge", "confjudgehi"], "filter.judge_max_drop")
 # `prml...`: the same three with the PRM arith-coevo.yaml trains instead of the classifier: the likelihood head (a
 # step scores by its least likely token under the PRM's own LM head), kept a language model on the demonstrations.
 PRML = [*PRM, "train_reward.head=likelihood", "train_reward.lm_weight=1", "train_reward.demos=true"]
@@ -109,23 +112,24 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
                  r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
                  r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked|-checkjudge)?"
                  r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle"
-                 r"|confjudge)"
+                 r"|confjudgehi|confjudge)"
                  r"(?P<shaping>[0-9.]+)?)?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
     `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
-    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]`: the rate, decayed to
-    0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round from the L
-    hardest learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
+    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]`: the rate,
+    decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round
+    from the L hardest learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
     demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
     (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool right_answers) or
     every round's (`-silall`: all_right_answers), rft's step checker on the right answers (filter.check_steps: a right
     answer whose steps fail it earns 0, `-checked`; or only leaves self-imitation, `-checkjudge`:
     unsound_reward=outcome), and step credit, or a trained PRM's lowest step score in the reward (`-prmmin`), either
     at weight S (default 0.5), or the same from arith's exact step labels (`-oracle`, `-oraclemin`), or either judging
-    which right answers self-imitation trains on, no shaping (`-prmjudge`, `-oraclejudge`: filter.min_step_score);
+    which right answers self-imitation trains on, no shaping (`-prmjudge`, `-oraclejudge`: filter.min_step_score),
+    as the sampler's confidence does (`-confjudge`: a least likely token below p = 0.3; `-confjudgehi`: 0.5);
     `prml` for `prm`: the PRM's likelihood head.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
@@ -168,11 +172,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     'filter.judge_max_drop=0.6'
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-confjudge")[1][-3:]
     ['score.reward_model=confidence', 'filter.min_step_score=0.3', 'filter.judge_max_drop=0.5']
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-confjudgehi")[1][-2:]
+    ['filter.min_step_score=0.5', 'filter.judge_max_drop=0.5']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -183,7 +189,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
                                          "[-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min"
-                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge][<S>]")
+                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
