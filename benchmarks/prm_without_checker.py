@@ -280,10 +280,7 @@ def _mc_weakest(store, answers: list[dict], rnd: int) -> dict[str, float]:
 
     cfg = load_config(REPO / "configs" / "arith-coevo.yaml")
     sc = cfg.score
-    steps: dict[str, list[str]] = {}
-    for r in store.rows("SELECT trajectory_id, text FROM steps WHERE trajectory_id IN (SELECT unnest(?)) "
-                        "ORDER BY trajectory_id, step_index", [[a["trajectory_id"] for a in answers]]):
-        steps.setdefault(r["trajectory_id"], []).append(r["text"])
+    steps = _answer_steps(store, answers)
     out = {a["trajectory_id"]: 1.0 for a in answers}
     for uri in {a["sampler"] for a in answers}:
         items = [{"trajectory_id": a["trajectory_id"], "prompt": a["prompt"], "steps": steps[a["trajectory_id"]],
@@ -295,6 +292,15 @@ def _mc_weakest(store, answers: list[dict], rnd: int) -> dict[str, float]:
             if lab["source"] == "mc_soft" and lab["num_rollouts"]:
                 out[lab["trajectory_id"]] = min(out[lab["trajectory_id"]], lab["value"])
     return out
+
+
+def _answer_steps(store, answers: list[dict]) -> dict[str, list[str]]:
+    """Each answer's stored steps, in order."""
+    steps: dict[str, list[str]] = {}
+    for r in store.rows("SELECT trajectory_id, text FROM steps WHERE trajectory_id IN (SELECT unnest(?)) "
+                        "ORDER BY trajectory_id, step_index", [[a["trajectory_id"] for a in answers]]):
+        steps.setdefault(r["trajectory_id"], []).append(r["text"])
+    return steps
 
 
 def _z(scores: dict[str, float]) -> dict[str, float]:
@@ -309,10 +315,7 @@ def _sampler_confidence(store, answers: list[dict]) -> dict[str, float]:
     from components.domains.arith import ArithDomain
     from components.rewards import load_reward_model
 
-    steps: dict[str, list[str]] = {}
-    for r in store.rows("SELECT trajectory_id, text FROM steps WHERE trajectory_id IN (SELECT unnest(?)) "
-                        "ORDER BY trajectory_id, step_index", [[a["trajectory_id"] for a in answers]]):
-        steps.setdefault(r["trajectory_id"], []).append(r["text"])
+    steps = _answer_steps(store, answers)
     out = {}
     for uri in {a["sampler"] for a in answers}:
         mine = [a for a in answers if a["sampler"] == uri]
