@@ -769,12 +769,11 @@ class ExperimentConfig(_Section):
             if self.filter.min_step_score is None:
                 raise ValueError(f"{where} against filter.min_step_score: set it (e.g. 0.5)")
         rm = self.score.reward_model
-        if (self.filter.min_step_score is not None and self.filter.judge == "previous"
-                and self.train_policy.method != "grpo" and rm in ("none", "orm")):  # grpo's recipe says its own
+        if self.filter.min_step_score is not None and self.filter.judge == "previous" and rm in ("none", "orm"):
             raise ValueError(f"filter.min_step_score={self.filter.min_step_score} drops right answers by their weakest "
                              f"step, and score.reward_model={rm} scores no steps: set score.reward_model=prm (with "
-                             "train_reward.enabled), implicit, confidence, or a step reward model by dotted path; "
-                             "or filter.judge=round (recipe coevo)")
+                             "train_reward.enabled), implicit, confidence, or a step reward model by dotted path"
+                             + ("" if self.train_policy.method == "grpo" else "; or filter.judge=round (recipe coevo)"))
         if self.filter.judge_max_drop is not None and self.filter.min_step_score is None:
             raise ValueError("filter.judge_max_drop caps the share of right answers filter.min_step_score drops: "
                              "set filter.min_step_score too (e.g. 0.5)")

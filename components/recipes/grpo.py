@@ -47,16 +47,10 @@ def check(cfg) -> None:
             raise ValueError(f"{where_rm}, and score.reward_model=none: set score.reward_model=implicit (or prm with "
                              "train_reward.enabled, or a reward model by dotted path), or credit=step with "
                              "score.mc_rollouts > 0 (Monte Carlo step values)")
-    if cfg.filter.min_step_score is not None:
-        judges = (f"filter.min_step_score={cfg.filter.min_step_score} judges which right answers self-imitation "
-                  "trains on")
-        if g.ptx_pool == "demonstrations":
-            raise ValueError(f"{judges}, and train_policy.grpo.ptx_pool=demonstrations imitates none: set ptx_pool to "
-                             "right_answers or all_right_answers, or leave filter.min_step_score unset")
-        if rm in ("none", "orm"):
-            raise ValueError(f"{judges} by their weakest step, and score.reward_model={rm} scores no steps: set "
-                             "score.reward_model=prm (with train_reward.enabled), implicit, confidence, or a step "
-                             "reward model by dotted path")
+    if cfg.filter.min_step_score is not None and g.ptx_pool == "demonstrations":  # config refuses a judge with no steps
+        raise ValueError(f"filter.min_step_score={cfg.filter.min_step_score} judges which right answers self-imitation "
+                         "trains on, and train_policy.grpo.ptx_pool=demonstrations imitates none: set ptx_pool to "
+                         "right_answers or all_right_answers, or leave filter.min_step_score unset")
     if g.unsound_reward != "zero":
         keeps = f"train_policy.grpo.unsound_reward={g.unsound_reward} keeps the step checker out of the reward"
         if not cfg.filter.check_steps:

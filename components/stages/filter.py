@@ -196,7 +196,7 @@ def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, f
     f = spec.cfg().filter
     failed = {t for t, ok in checked.items() if not ok}
     right = [t for t in trajs if outcome[t["trajectory_id"]] > 0 or t["trajectory_id"] in failed]
-    weakest, source = ranking_scores([s for s in score_rows if s["scorer"] != "outcome"], [], "min")
+    source, weakest = step_judge(score_rows)
     weakest = {t["trajectory_id"]: weakest[t["trajectory_id"]] for t in right if t["trajectory_id"] in weakest}
     threshold = judge_threshold(list(weakest.values()), f.min_step_score, f.judge_max_drop)
     out = {t: f"{source}: weakest step {v:.3f} < min_step_score {threshold:.3f}"

@@ -304,7 +304,7 @@ def test_the_judge_leaves_right_answers_out_of_self_imitation_by_their_weakest_s
     for r in rows:
         judged = r["weakest"] < metrics[r["round"]]["judge_min_step_score"]
         assert r["selected"] is (r["steps_checked"] is not False and not judged)
-        assert r["reason"].startswith("confidence min: weakest step") is judged
+        assert r["reason"].startswith("confidence: weakest step") is judged
         assert r["outcome"] == r["reward"]  # the judge and, at unsound_reward=outcome, the checker leave rewards alone
     for k in (1, 2):
         out = sum(r["reason"].startswith("confidence") for r in rows if r["round"] == k)
