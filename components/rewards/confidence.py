@@ -23,12 +23,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from components.models.prompts import PromptFormat, check_prompt_format, render_prompt
+from components.models.prompts import PromptFormat
 from components.rewards import device, episode_turns, sequence_logprobs
-from components.rewards.prm import STEP_SEPARATOR, StepTokens, cut_steps, encode_steps
+from components.rewards.prm import STEP_SEPARATOR, StepScorer, StepTokens
 
 
-class SamplerConfidence:
+class SamplerConfidence(StepScorer):
     """`components.rewards.RewardModel` over a policy checkpoint: per step, the probability of its least likely
     token given the prompt (rendered in `prompt_format`) and the steps before it. Trajectories over `max_length`
     tokens are cut, keeping the steps that end within it, and counted in `truncated`."""
@@ -41,21 +41,15 @@ class SamplerConfidence:
                  max_length: int | None = None):
         from components.models.tiny import load_policy
 
-        if max_length is not None and max_length < 1:
+        if max_length is not None and max_length < 1:  # before the model loads
             raise ValueError(f"SamplerConfidence.max_length must be >= 1 or None, got {max_length}")
         self.path, self.device = path, device_name or device()
-        self.model, self.tok = load_policy(path, device=self.device, dtype=dtype)
-        self.prompt_format = PromptFormat.of(prompt_format)
-        check_prompt_format(self.tok, self.prompt_format, path)
-        self.separator, self.max_length, self.truncated = separator, max_length, 0
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0  # masked: any id works
+        self.model, tok = load_policy(path, device=self.device, dtype=dtype)
+        self._setup_steps(tok, path, separator, prompt_format, max_length)
 
     def score(self, prompts: list[str], completions: list[str], steps: list[list[str]],  # noqa: ARG002
               batch_size: int = 64) -> list[list[float]]:
-        if len(prompts) != len(steps):
-            raise ValueError(f"SamplerConfidence.score: {len(prompts)} prompts but {len(steps)} step lists")
-        enc = [self._fit(encode_steps(self.tok, render_prompt(self.tok, p, self.prompt_format), s, self.separator))
-               for p, s in zip(prompts, steps, strict=True)]
+        enc = self._encode_steps(prompts, steps)
         scored = [i for i, e in enumerate(enc) if e.ends]
         out: list[list[float]] = [[] for _ in prompts]
         lps = sequence_logprobs(self.model, [enc[i].ids for i in scored], self.pad_id, self.device, batch_size)
@@ -71,11 +65,6 @@ class SamplerConfidence:
         # Token t's log-probability sits at index t - 1; a turn never starts at token 0 (the system turn's).
         lps = sequence_logprobs(self.model, ids, self.pad_id, self.device, batch_size)
         return [[math.exp(float(lp[a - 1:b - 1].min())) for a, b in runs] for lp, runs in zip(lps, spans, strict=True)]
-
-    def _fit(self, enc: StepTokens) -> StepTokens:
-        cut = cut_steps(enc, self.max_length)
-        self.truncated += cut is not enc
-        return cut
 
 
 def least_likely(logprobs: list[float], enc: StepTokens) -> list[float]:

@@ -444,7 +444,33 @@ def _trainer_class():
     return LikelihoodTrainer
 
 
-class PRMScorer:
+class StepScorer:
+    """What the reward models that score steps share: the prompt rendered in the `prompt_format` the model was
+    trained or sampled with, then each step and its separator, tokenized as one text (`encode_steps`); a text
+    over `max_length` tokens (None: no limit) is cut to the steps that end within it, and counted in `truncated`."""
+
+    def _setup_steps(self, tok: Any, path: str, separator: str, prompt_format: PromptFormat | dict[str, Any] | str | None,
+                     max_length: int | None) -> None:
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"{type(self).__name__}.max_length must be >= 1 or None, got {max_length}")
+        self.tok, self.separator, self.max_length, self.truncated = tok, separator, max_length, 0
+        self.prompt_format = PromptFormat.of(prompt_format)
+        check_prompt_format(tok, self.prompt_format, path)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0  # masked: any id works
+
+    def _encode_steps(self, prompts: list[str], steps: list[list[str]]) -> list[StepTokens]:
+        if len(prompts) != len(steps):
+            raise ValueError(f"{type(self).__name__}: {len(prompts)} prompts but {len(steps)} step lists")
+        out = []
+        for p, s in zip(prompts, steps, strict=True):
+            enc = encode_steps(self.tok, render_prompt(self.tok, p, self.prompt_format), s, self.separator)
+            cut = cut_steps(enc, self.max_length)
+            self.truncated += cut is not enc
+            out.append(cut)
+        return out
+
+
+class PRMScorer(StepScorer):
     """`score_steps`: P(step is good) for every step, one forward pass per trajectory (either head).
     A `components.rewards.RewardModel`.
 
@@ -462,13 +488,9 @@ class PRMScorer:
         import torch
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer
 
-        if max_length is not None and max_length < 1:
-            raise ValueError(f"PRMScorer.max_length must be >= 1 or None, got {max_length}")
+        self._setup_steps(AutoTokenizer.from_pretrained(path), path, separator, prompt_format, max_length)
         self.torch = torch
         self.device = device_name or device()
-        self.tok = AutoTokenizer.from_pretrained(path)
-        self.prompt_format = PromptFormat.of(prompt_format)
-        check_prompt_format(self.tok, self.prompt_format, path)
         self.head = prm_head(path)
         cls = AutoModelForCausalLM if self.head == "likelihood" else AutoModelForTokenClassification
         self.model = cls.from_pretrained(path, dtype=torch_dtype(dtype)).to(self.device).eval()
@@ -476,18 +498,12 @@ class PRMScorer:
             self.calibration = torch.tensor(self.model.config.prm_calibration, dtype=torch.float32, device=self.device)
         else:
             self.good = self.model.config.label2id.get("good", 1)
-        self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0  # masked: any id works
-        self.separator = separator
-        self.max_length, self.truncated = max_length, 0
 
     def score(self, prompts: list[str], completions: list[str], steps: list[list[str]]) -> list[list[float]]:
         return self.score_steps(prompts, steps)
 
     def score_steps(self, prompts: list[str], steps: list[list[str]], batch_size: int = 256) -> list[list[float]]:
-        if len(prompts) != len(steps):
-            raise ValueError(f"score_steps: {len(prompts)} prompts but {len(steps)} step lists")
-        enc = [self._fit(encode_steps(self.tok, render_prompt(self.tok, p, self.prompt_format), s, self.separator))
-               for p, s in zip(prompts, steps)]
+        enc = self._encode_steps(prompts, steps)
         # Sorted by length so a batch pads little; trajectories without steps (that fit) need no forward pass.
         order = sorted((i for i, e in enumerate(enc) if e.ends), key=lambda i: len(enc[i].ids))
         out: list[list[float]] = [[] for _ in prompts]
@@ -508,12 +524,6 @@ class PRMScorer:
                 out[i] = probs[row, : len(enc[i].ends)].tolist() if self.head == "likelihood" \
                     else probs[row, enc[i].ends].tolist()
         return out
-
-    def _fit(self, enc: StepTokens) -> StepTokens:
-        """A trajectory cut to max_length tokens (`cut_steps`); counted in `truncated`."""
-        cut = cut_steps(enc, self.max_length)
-        self.truncated += cut is not enc
-        return cut
 
 
 def cut_steps(enc: StepTokens, max_length: int | None) -> StepTokens:
