@@ -125,8 +125,10 @@ def _run_flow(flow_name: str, /, *, progress_bars: bool = False, **params):
     from components.storage import StorageError
     from components.store import StoreError
     from flows import evolution
+    from flows.prefect_server import use_own_server
 
     try:  # the bars end before an error is printed
+        use_own_server()  # Prefect's temporary server, on a port no other coevo process drew
         with _progress_bars() if progress_bars else nullcontext():
             return getattr(evolution, flow_name)(**params)
     except (ExperimentLockedError, StoreError, StorageError, ValueError, FileNotFoundError, ParameterTypeError) as e:
