@@ -36,9 +36,11 @@ slips), and the filter's catch rate (the share of right answers with unsound ste
 reject, against the share of sound ones they reject); then the seed-to-seed spread, and last the recovery
 ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
 and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
-threshold in hindsight that drops at most 5% of the sound ones; `--sampler-ranking` adds the sampler's likelihood
-and its confidence, each alone and summed with the judge's score, `--mc-ranking` Monte Carlo rollouts from the
-answers' own prefixes, and what each would catch dropping as many as the judge did).
+threshold in hindsight that drops at most 5% of the sound ones; for filter.judge=round, also the round's PRM and the
+previous round's together, by their z-scores summed and as a rule that drops only what fails both;
+`--sampler-ranking` adds the sampler's likelihood and its confidence, each alone and summed with the judge's score,
+`--mc-ranking` Monte Carlo rollouts from the answers' own prefixes), and what each would catch dropping as many as
+the judge did.
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
 
@@ -86,11 +88,13 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                                              f"filter.min_step_score={CONF_THRESHOLD}", "filter.judge_max_drop=0.3"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
-# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the sampler's confidence
+# Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the two together (the sum of
+# their z-scores within the round; filter.judge=round arms, whose score stage still runs the previous round's PRM),
+# the sampler's confidence
 # (its least likely token, as rft-confjudge's filter scored it), the sampler's likelihood, the filter's judge with
 # the likelihood (`both`, the sum of their z-scores within the round) and with the confidence (`both-conf`), and the
 # answer's own Monte Carlo values (its weakest prefix's share of the sampler's rollouts that reach the answer).
-RANKERS = ("judge", "prm", "confidence", "sampler", "both", "both-conf", "mc")
+RANKERS = ("judge", "prm", "judge+prm", "confidence", "sampler", "both", "both-conf", "mc")
 # A `selections` reason that starts with one of these: a learned judge dropped the right answer (the checker apart).
 JUDGED = ("prm:", "confidence:", "mc_hard:")
 # The filter's own judge among them: the round's PRM (filter.judge=round), else the previous round's, else the
@@ -232,16 +236,25 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
         JOIN stage_runs sr ON sr.stage_run_id = sc.stage_run_id AND sr.round = t.round AND sr.status = 'committed'
         JOIN models m ON m.model_id = t.policy_model_id
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct""", [name])
-    dropped = {r: n for r, n in store.query("""
-        SELECT t.round, count(*) FROM trajectories t JOIN verifications v USING (trajectory_id)
+    judged: dict[int, set[str]] = {}
+    for rnd, tid in store.query("""
+        SELECT t.round, t.trajectory_id FROM trajectories t JOIN verifications v USING (trajectory_id)
         JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
         WHERE t.experiment_id = ? AND t.purpose = 'train' AND v.correct
-          AND split_part(sel.reason, ':', 1) IN (SELECT unnest(?)) GROUP BY ALL""",
-        [name, [j.rstrip(":") for j in JUDGED]])[1]}
+          AND split_part(sel.reason, ':', 1) IN (SELECT unnest(?))""", [name, [j.rstrip(":") for j in JUDGED]])[1]:
+        judged.setdefault(rnd, set()).add(tid)
+    dropped = {rnd: len(ts) for rnd, ts in judged.items()}
     checker = {r["trajectory_id"]: d.check_steps(r["prompt"], r["completion"]) for r in rows}
     weakest: dict[tuple[int, str], dict[str, float]] = {}
     for r in rows:
         weakest.setdefault((r["round"], r["scorer"]), {})[r["trajectory_id"]] = r["value"]
+    both_prms: dict[int, dict] = {}
+    for rnd in sorted({r["round"] for r in rows}):
+        judge, prev = weakest.get((rnd, "judge")), weakest.get((rnd, "prm"))
+        if judge and prev and (common := [t for t in judge if t in prev]):
+            zj, zp = _z({t: judge[t] for t in common}), _z({t: prev[t] for t in common})
+            weakest[(rnd, "judge+prm")] = {t: zj[t] + zp[t] for t in common}
+            both_prms[rnd] = _and_rule(store, name, judged.get(rnd, set()), prev, checker)
     if sampler:
         for rnd in {r["round"] for r in rows}:
             answers = {r["trajectory_id"]: r for r in rows if r["round"] == rnd}
@@ -267,6 +280,26 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
             out.setdefault(rnd, {})[who] = ranked | {"at_count": at, "dropped": len(lowest),
                                                      "unsound": sum(checker[t] is False for t in scores),
                                                      "sound": sum(checker[t] is True for t in scores)}
+    for rnd, rule in both_prms.items():
+        out.setdefault(rnd, {})["judge-and-prm"] = rule
+    return out
+
+
+def _and_rule(store, name: str, judged: set[str], prev: dict[str, float], checker: dict[str, bool | None]) -> dict:
+    """What the filter would have dropped had a right answer to fail both judges: the round's own PRM (the filter's
+    drops, `judged`) and the previous round's (`prev`, each right answer's weakest step), under the run's own
+    threshold rule (filter.min_step_score, capped by filter.judge_max_drop). The catch and false-reject rates of
+    that rule, and of the filter as it ran, over the right answers both scored."""
+    from components.filtering import judge_threshold
+
+    cfg = store.query("SELECT config_json FROM experiments WHERE experiment_id = ?", [name])[1][0][0]
+    f = json.loads(cfg)["filter"]
+    cut = judge_threshold(list(prev.values()), f["min_step_score"], f["judge_max_drop"])
+    both = {t for t in judged if t in prev and prev[t] < cut}
+    out = {"unsound": sum(checker[t] is False for t in prev), "sound": sum(checker[t] is True for t in prev)}
+    for key, drops in (("and", both), ("filter", judged & set(prev))):
+        out[key] = {k: sum(checker[t] is want for t in drops) / n if (n := sum(checker[t] is want for t in prev))
+                    else None for k, want in (("catch", False), ("false_reject", True))}
     return out
 
 
@@ -426,20 +459,30 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
             met = sum(r["judge_hindsight_catch"] >= 0.8 for r in later)
             print(f"{arm}: from round 2 on, a threshold chosen in hindsight catches >= 0.8 at <= 5% of the sound "
                   f"dropped in {met} of {len(later)} rounds")
-        if sampler or mc:
-            # Each ranker dropping as many right answers as the filter's judge did, pooled over rounds 1 and on.
-            runs = [by for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items() if rnd >= 1]
+        rules = [by["judge-and-prm"] for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items()
+                 if "judge-and-prm" in by]
+        for key, label in (("filter", "the filter as it ran"), ("and", "had an answer to fail the previous PRM too")):
+            catch, fr = _pooled([{"catch": r[key]["catch"], "right_unsound": r["unsound"],
+                                  "false_reject": r[key]["false_reject"], "right_answers": r["unsound"] + r["sound"]}
+                                 for r in rules])
+            if rules:
+                print(f"{arm}: {label}, rounds 2 on ({len(rules)} rounds): catch {_f(catch)}, sound dropped {_f(fr)}")
+        # Each ranker dropping as many right answers as the filter's judge did, pooled over rounds 1 and on, and
+        # over rounds 2 and on (where the previous round's PRM, and so judge+prm, exists).
+        for first in (1, 2):
+            runs = [by for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items()
+                    if rnd >= first]
             for w in (w for w in RANKERS if any(w in by for by in runs)):
                 at = [by[w] for by in runs if w in by]
                 catch, fr = _pooled([{"catch": r["at_count"]["catch"], "right_unsound": r["unsound"],
                                       "false_reject": r["at_count"]["false_reject"],
                                       "right_answers": r["unsound"] + r["sound"]} for r in at])
-                print(f"{arm}: {w} dropping the judge's count, rounds 1 on ({len(at)} rounds): catch {_f(catch)}, "
-                      f"sound dropped {_f(fr)}")
+                print(f"{arm}: {w} dropping the judge's count, rounds {first} on ({len(at)} rounds): "
+                      f"catch {_f(catch)}, sound dropped {_f(fr)}")
     if data:
         _plot(data, workdir, _save, plt)
     base, ref = final.get("rft-outcome"), final.get("rft-checker")
-    print("\n== recovery, catch rate and tokens (goals: recovery >= 0.75 on both, catch >= 0.80 with <= 0.10 of "
+    print("\n== recovery, catch rate and tokens (goals: recovery >= 0.75 on both, catch >= 0.80 with <= 0.05 of "
           "good ones rejected, tokens <= rft-outcome's) ==")
     for arm in (a for a in JUDGE_ARMS if a in final):
         f = final[arm]
