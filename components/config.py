@@ -307,12 +307,15 @@ class FilterConfig(_Section):
                                           "sampler's confidence, round 1 too). Under recipe grpo the round's reward "
                                           "model judges which right answers self-imitation "
                                           "(train_policy.grpo.ptx_pool) trains on; their rewards are left alone.")
-    judge: Literal["previous", "round"] = Field(
+    judge: Literal["previous", "round", "round_and_previous"] = Field(
         "previous", exclude_if=lambda v: v == "previous",
         description="Which PRM judges the round's right answers against min_step_score. 'previous': the previous "
                     "round's (from round 2). 'round': this round's, from round 1, which train_reward trains without "
                     "them, on wrong answers' labels, the demonstrations and right answers an earlier filter kept; "
-                    "it also re-judges train_policy's replay pool, so what an earlier judge let in can drop out.")
+                    "it also re-judges train_policy's replay pool, so what an earlier judge let in can drop out. "
+                    "'round_and_previous': as 'round', but from round 2 a right answer is dropped only where the "
+                    "previous round's PRM (score.reward_model=prm) also scores its weakest step below its own "
+                    "threshold, set by the same rule; the replay pool is re-judged by this round's alone.")
     judge_max_drop: float | None = Field(
         None, gt=0.0, lt=1.0, exclude_if=lambda v: v is None,
         description="Calibrate min_step_score on what the judge judges: where more than this share of the round's "
@@ -333,6 +336,11 @@ class FilterConfig(_Section):
         description="recipe grpo: train on at most this many groups whose rewards differ (a seeded sample).")
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
+    @property
+    def judges_in_round(self) -> bool:
+        """This round's PRM judges the round's right answers (filter.judge round or round_and_previous)."""
+        return self.judge != "previous"
+
     check_steps: bool = Field(
         False, description="Also drop right answers whose worked steps do not check out against the problem "
                            "(the domain's step checker, run like rStar-Math's code execution; it compares with no "
@@ -761,13 +769,17 @@ class ExperimentConfig(_Section):
             raise ValueError(f"score.reward_model='env' reads the turn rewards an environment gives; "
                              f"domain.name={self.domain.name!r} is a text domain with none: use an environment "
                              "(calculator, sql, code, or one of your own)")
-        if self.filter.judge == "round":
-            where = "filter.judge=round: this round's PRM judges its right answers"
+        if self.filter.judges_in_round:
+            where = f"filter.judge={self.filter.judge}: this round's PRM judges its right answers"
             if not self.train_reward.enabled or self.train_policy.method == "grpo":
                 raise ValueError(f"{where}, which train_reward trains in the round (recipe coevo): set "
                                  "train_reward.enabled=true, or filter.judge=previous")
             if self.filter.min_step_score is None:
                 raise ValueError(f"{where} against filter.min_step_score: set it (e.g. 0.5)")
+            if self.filter.judge == "round_and_previous" and self.score.reward_model != "prm":
+                raise ValueError(f"{where}, with the previous round's as a second opinion, which the score stage runs "
+                                 f"as score.reward_model=prm (got {self.score.reward_model}): set it, or "
+                                 "filter.judge=round")
         rm = self.score.reward_model
         if self.filter.min_step_score is not None and self.filter.judge == "previous" and rm in ("none", "orm"):
             raise ValueError(f"filter.min_step_score={self.filter.min_step_score} drops right answers by their weakest "

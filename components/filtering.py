@@ -63,17 +63,24 @@ CHECKER = "steps do not check"  # the reason the domain's step checker gives
 def step_rejects(
     trajectory_ids: list[str], *, checker: dict[str, bool | None] | None = None,
     mc_dead_step: dict[str, int] | None = None, prm_min: dict[str, float] | None = None,
-    min_step_score: float | None = None, judge: str = "prm",
+    min_step_score: float | None = None, judge: str = "prm", second: dict[str, float] | None = None,
+    second_threshold: float | None = None,
 ) -> dict[str, str]:
     """Why each trajectory's steps are judged wrong, naming every judge that rejects it: the domain's step
     checker (`checker`: False rejects), Monte Carlo labels (`mc_dead_step`: the first step no rollout got
     past) and the step reward model named `judge` (`prm_min`, its weakest step's score, below `min_step_score`).
-    Absent: no judge objects.
+    Absent: no judge objects. With a `second` opinion (another PRM's weakest-step scores, filter.judge
+    round_and_previous), the reward model rejects only where that one too scores below `second_threshold`, or has
+    no score for the trajectory.
 
     >>> step_rejects(["a", "b", "c"], checker={"a": False, "b": True}, mc_dead_step={"c": 1},
     ...              prm_min={"a": 0.9, "b": 0.125, "c": 0.2}, min_step_score=0.5)
     {'a': 'steps do not check', 'b': 'prm: weakest step 0.125 < min_step_score 0.5', \
 'c': 'mc_hard: no rollout from step 1 reached the answer; prm: weakest step 0.200 < min_step_score 0.5'}
+    >>> step_rejects(["a", "b", "c"], prm_min={"a": 0.1, "b": 0.2, "c": 0.3}, min_step_score=0.5,
+    ...              second={"a": 0.2, "b": 0.7}, second_threshold=0.4)
+    {'a': "prm: weakest step 0.100 < min_step_score 0.5, and the previous round's PRM's 0.200 < 0.4", \
+'c': 'prm: weakest step 0.300 < min_step_score 0.5'}
     """
     out = {}
     for tid in trajectory_ids:
@@ -83,7 +90,10 @@ def step_rejects(
         if mc_dead_step and tid in mc_dead_step:
             why.append(f"mc_hard: no rollout from step {mc_dead_step[tid]} reached the answer")
         if min_step_score is not None and prm_min and tid in prm_min and prm_min[tid] < min_step_score:
-            why.append(f"{judge}: weakest step {prm_min[tid]:.3f} < min_step_score {min_step_score:g}")
+            agree = "" if not second or tid not in second else \
+                f", and the previous round's PRM's {second[tid]:.3f} < {second_threshold:g}"
+            if not agree or second[tid] < second_threshold:
+                why.append(f"{judge}: weakest step {prm_min[tid]:.3f} < min_step_score {min_step_score:g}{agree}")
         if why:
             out[tid] = "; ".join(why)
     return out

@@ -26,7 +26,7 @@ def plan(p: Planner) -> Inputs:
     for stage in ("generate", "verify", "score"):
         if stage in p.round_stages:
             p.read(stage)
-    if p.cfg.filter.judge == "round":  # the judge: this round's PRM, trained without the round's right answers
+    if p.cfg.filter.judges_in_round:  # the judge: this round's PRM, trained without the round's right answers
         p.read("train_reward")
     return Inputs()
 
@@ -48,7 +48,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     score_rows = spec.rows("score", "scores") if scored else outcome_scores(vers)
     labels = spec.rows("score", "step_labels") if scored else []
     scores, source = ranking_scores(score_rows, labels, f.rank_by)
-    judge_rows = spec.rows("train_reward", "scores") if f.judge == "round" else []
+    judge_rows = spec.rows("train_reward", "scores") if f.judges_in_round else []
     if judge_rows:  # the round's right answers are ranked by the judge too, the PRM that never trained on them
         judged_scores, _ = ranking_scores(judge_rows, [], f.rank_by)
         scores, source = scores | judged_scores, f"judge {f.rank_by} (right answers)"
@@ -60,23 +60,30 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         for lab in sorted(labels, key=lambda r: r["step_index"]):
             if lab["source"] == "mc_hard" and lab["value"] == 0.0:
                 mc_dead.setdefault(lab["trajectory_id"], lab["step_index"])
-    if f.judge == "round":  # this round's PRM, which never trained on the round's right answers
+    if f.judges_in_round:  # this round's PRM, which never trained on the round's right answers
         judge_name, prm_min = "prm", step_judge(judge_rows, "judge")[1]
     else:  # the score stage's: the previous round's PRM, the implicit PRM or the sampler's confidence
         judge_name, prm_min = step_judge(score_rows)
     ids = [t["trajectory_id"] for t in trajs]
     weakest = {t: prm_min[t] for t in ids if correct.get(t) and t in prm_min}  # the judge's view of the right answers
     threshold = judge_threshold(list(weakest.values()), f.min_step_score, f.judge_max_drop)  # calibrated on them
+    second: dict[str, float] = {}  # filter.judge=round_and_previous: the previous round's PRM must agree
+    if f.judge == "round_and_previous":
+        second = {t: v for t, v in step_judge(score_rows, "prm")[1].items() if t in weakest}  # none in round 1
+    second_threshold = judge_threshold(list(second.values()), f.min_step_score, f.judge_max_drop)
+    opinions = {"prm_min": prm_min, "min_step_score": threshold, "judge": judge_name, "second": second,
+                "second_threshold": second_threshold}
     # The learned judges (Monte Carlo labels, the step reward model) apart from the checker, to measure them by it.
-    judged = step_rejects(ids, mc_dead_step=mc_dead, prm_min=prm_min, min_step_score=threshold, judge=judge_name)
-    rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, prm_min=prm_min,
-                           min_step_score=threshold, judge=judge_name)
+    judged = step_rejects(ids, mc_dead_step=mc_dead, **opinions)
+    rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, **opinions)
     rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
                       dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
     n_sel = sum(r["selected"] for r in rows)
     metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
     if threshold is not None and prm_min:
         metrics["judge_min_step_score"] = threshold
+    if second:
+        metrics["judge_previous_min_step_score"] = second_threshold
     if has_checker:  # evaluation only: the checker measures the learned judges, whether or not it filters
         metrics |= judge_catch_rates(correct, checker, judged)
         metrics |= judge_ranking(weakest, checker)

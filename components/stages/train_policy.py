@@ -46,7 +46,7 @@ def plan(p: Planner) -> Inputs:
     if tp.method != "sft":
         ref = p.model(p.round - 1 if tp.dpo.reference == "previous" else 0)
         inputs.dpo_reference_uri, inputs.dpo_reference_model_id = ref["uri"], ref["model_id"]
-    if p.cfg.filter.judge == "round" and tp.replay_ratio > 0:
+    if p.cfg.filter.judges_in_round and tp.replay_ratio > 0:
         judge = p.model(p.round, "prm")
         inputs.judge_uri, inputs.judge_model_id = judge["uri"], judge["model_id"]
     # This round's selections are new data; earlier rounds' (demos included) are the replay pool.

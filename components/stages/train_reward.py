@@ -45,7 +45,7 @@ def plan(p: Planner) -> Inputs:
     for r in rounds:
         for stage in ("generate", "verify", "score"):
             p.read(stage, r)
-    if p.cfg.filter.judge == "round":  # right answers train the judge only once an earlier filter has kept them
+    if p.cfg.filter.judges_in_round:  # right answers train the judge only once an earlier filter has kept them
         for r in range(1, p.round):
             p.read("filter", r)
     if tr.demos:
@@ -69,7 +69,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
         process_batch(ORMParams.batch_size, "the ORM's batch (ORMParams.batch_size)", "train_reward")
     domain = domain_of(spec)
-    judge = cfg.filter.judge == "round"
+    judge = cfg.filter.judges_in_round
     kept_before = {s["trajectory_id"] for r in range(1, spec.round) if judge
                    for s in spec.rows("filter", "selections", round=r) if s["selected"] and s["purpose"] == "policy_sft"}
     examples, decisions, outcome_examples, labelled_round = [], [], [], {}

@@ -347,8 +347,9 @@ def test_round_zero_is_the_given_model_as_it_is(coevo_run, micro_workdir):
                 [cfg.experiment]) > 0
 
 
-# filter.judge=round: each round's PRM judges that round's right answers, and never trained on them.
-JUDGE = ["experiment=micro-coevo-judge", "filter.judge=round", "generate.problems_per_level=24",
+# filter.judge=round_and_previous: each round's PRM judges that round's right answers, and never trained on them;
+# from round 2 the previous round's PRM must agree. Round 1, with no previous PRM, is filter.judge=round's.
+JUDGE = ["experiment=micro-coevo-judge", "filter.judge=round_and_previous", "generate.problems_per_level=24",
          "generate.search=null", "filter.dpo_pairs=false", "filter.step_dpo_pairs=false", "train_policy.method=sft",
          *SHORT_SFT, "train_reward.steps=60", "evaluate.search=null", "evaluate.best_of_n=[]",
          "evaluate.problems_per_level=10", "evaluate.maj_k=1", "filter.judge_max_drop=0.1"]
@@ -368,7 +369,8 @@ def judge_run(prefect_server, micro_workdir, tmp_path_factory):
 def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     """Round r's PRM trains on wrong answers' labels, the demonstrations and right answers an earlier filter kept;
     it scores round r's right answers (scorer `judge`), from round 1, and the filter drops those it scores low: below
-    min_step_score, or at most judge_max_drop of them where more score below it."""
+    min_step_score, or at most judge_max_drop of them where more score below it. From round 2 it drops only those
+    the previous round's PRM (scorer `prm`) also scores below its own threshold, set by the same rule."""
     import json
 
     from components.domains.arith import ArithDomain
@@ -397,9 +399,10 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     # The filter drops the right answers the judge scores low, from round 1 on, and says so. Its threshold is
     # min_step_score, lowered in a round where that would drop more than judge_max_drop of the right answers.
     rows = store.rows("""
-        SELECT sel.round, sel.reason, j.value AS judge_min FROM selections sel
+        SELECT sel.round, sel.reason, j.value AS judge_min, p.value AS previous_min FROM selections sel
         JOIN verifications v USING (trajectory_id)
         JOIN scores j ON j.trajectory_id = sel.trajectory_id AND j.scorer = 'judge' AND j.aggregate = 'min'
+        LEFT JOIN scores p ON p.trajectory_id = sel.trajectory_id AND p.scorer = 'prm' AND p.aggregate = 'min'
         WHERE sel.experiment_id = ? AND sel.purpose = 'policy_sft' AND v.correct""", [exp])
 
     def metrics(stage: str) -> dict[int, dict]:
@@ -409,9 +412,15 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
 
     threshold = {r: m["judge_min_step_score"] for r, m in metrics("filter").items()}
     assert sorted(threshold) == [1, 2] and all(t <= cfg.filter.min_step_score for t in threshold.values())
+    second = {r: m["judge_previous_min_step_score"] for r, m in metrics("filter").items()
+              if "judge_previous_min_step_score" in m}
+    assert sorted(second) == [2] and second[2] <= cfg.filter.min_step_score  # round 1 has no previous PRM
     low = [r for r in rows if r["judge_min"] < threshold[r["round"]]]
-    assert low and all(r["reason"].startswith("prm: weakest step") for r in low)
-    assert all(not r["reason"].startswith("prm:") for r in rows if r["judge_min"] >= threshold[r["round"]])
+    agreed = [r for r in low if r["round"] == 1 or r["previous_min"] < second[2]]
+    assert {r["round"] for r in agreed} == {1, 2} and len(agreed) < len(low)  # the previous PRM spared some
+    assert all(r["reason"].startswith("prm: weakest step") for r in agreed)
+    assert all((", and the previous round's PRM's" in r["reason"]) is (r["round"] == 2) for r in agreed)
+    assert all(not r["reason"].startswith("prm:") for r in rows if r not in agreed)
     judged = {rnd: [r["judge_min"] for r in rows if r["round"] == rnd] for rnd in threshold}
 
     def below(rnd: int, score: float) -> int:

@@ -123,6 +123,10 @@ def test_incompatible_settings_say_what_to_change():
                                                           "answers, which train_reward trains in the round"),
     ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4}, "filter": {"judge": "round"}},
      "against filter.min_step_score: set it"),
+    ({"recipe": "coevo", "train_reward": {"enabled": True}, "score": {"mc_rollouts": 4, "reward_model": "implicit"},
+      "filter": {"judge": "round_and_previous", "min_step_score": 0.5}},
+     "filter.judge=round_and_previous: this round's PRM judges its right answers, with the previous round's as a "
+     "second opinion, which the score stage runs as score.reward_model=prm"),
     ({"filter": {"judge_max_drop": 0.3}}, "filter.judge_max_drop caps the share of right answers "
                                           "filter.min_step_score drops: set filter.min_step_score too"),
     ({"filter": {"min_step_score": 0.5, "judge_max_drop": 1.0}}, "filter.judge_max_drop: Input should be less than 1"),
