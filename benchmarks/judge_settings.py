@@ -99,7 +99,7 @@ def main() -> None:
         sys.exit(f"{args.experiment}: no committed train_reward in round {args.round} under {args.workdir}")
     spec = json.loads(run["spec_json"])
     cfg = load_config_dict(spec["config"], source=f"spec of {run['stage_run_id']}")
-    if cfg.filter.judge != "round":
+    if not cfg.filter.judges_in_round:
         sys.exit(f"{args.experiment}: filter.judge is {cfg.filter.judge!r}; its train_reward judges nothing")
     domain = get_domain(cfg.domain.name, **cfg.domain.options)
     answers = {r["trajectory_id"]: domain.check_steps(r["prompt"], r["completion"]) for r in store.rows(
