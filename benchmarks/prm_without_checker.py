@@ -254,12 +254,14 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
     for r in rows:
         weakest.setdefault((r["round"], r["scorer"]), {})[r["trajectory_id"]] = r["value"]
     both_prms: dict[int, dict] = {}
+    config = store.query("SELECT config_json FROM experiments WHERE experiment_id = ?", [name])[1]
+    f = json.loads(config[0][0])["filter"] if config else {}
     for rnd in sorted({r["round"] for r in rows}):
         judge, prev = weakest.get((rnd, "judge")), weakest.get((rnd, "prm"))
         if judge and prev and (common := [t for t in judge if t in prev]):
             zj, zp = _z({t: judge[t] for t in common}), _z({t: prev[t] for t in common})
             weakest[(rnd, "judge+prm")] = {t: zj[t] + zp[t] for t in common}
-            both_prms[rnd] = _and_rule(store, name, judged.get(rnd, set()), prev, checker)
+            both_prms[rnd] = _and_rule(f, judged.get(rnd, set()), prev, checker)
     if sampler:
         for rnd in {r["round"] for r in rows}:
             answers = {r["trajectory_id"]: r for r in rows if r["round"] == rnd}
@@ -280,8 +282,7 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
     for (rnd, who), scores in sorted(weakest.items()):
         if ranked := judge_ranking(scores, checker):
             lowest = sorted(scores, key=scores.get)[:dropped.get(rnd, 0)]
-            at = {k: sum(checker[t] is want for t in lowest) / n if (n := sum(checker[t] is want for t in scores))
-                  else None for k, want in (("catch", False), ("false_reject", True))}
+            at = _rates(lowest, scores, checker)
             out.setdefault(rnd, {})[who] = ranked | {"at_count": at, "dropped": len(lowest),
                                                      "unsound": sum(checker[t] is False for t in scores),
                                                      "sound": sum(checker[t] is True for t in scores)}
@@ -290,22 +291,23 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
     return out
 
 
-def _and_rule(store, name: str, judged: set[str], prev: dict[str, float], checker: dict[str, bool | None]) -> dict:
+def _rates(drops, pool, checker: dict[str, bool | None]) -> dict[str, float | None]:
+    """The share of `pool`'s unsound right answers that `drops` holds (catch), and of its sound ones (false_reject)."""
+    return {k: sum(checker[t] is want for t in drops) / n if (n := sum(checker[t] is want for t in pool)) else None
+            for k, want in (("catch", False), ("false_reject", True))}
+
+
+def _and_rule(f: dict, judged: set[str], prev: dict[str, float], checker: dict[str, bool | None]) -> dict:
     """What the filter would have dropped had a right answer to fail both judges: the round's own PRM (the filter's
     drops, `judged`) and the previous round's (`prev`, each right answer's weakest step), under the run's own
-    threshold rule (filter.min_step_score, capped by filter.judge_max_drop). The catch and false-reject rates of
-    that rule, and of the filter as it ran, over the right answers both scored."""
+    threshold rule (`f`, its filter settings: min_step_score, capped by judge_max_drop). The catch and
+    false-reject rates of that rule, and of the filter as it ran, over the right answers both scored."""
     from components.filtering import judge_threshold
 
-    cfg = store.query("SELECT config_json FROM experiments WHERE experiment_id = ?", [name])[1][0][0]
-    f = json.loads(cfg)["filter"]
     cut = judge_threshold(list(prev.values()), f["min_step_score"], f["judge_max_drop"])
     both = {t for t in judged if t in prev and prev[t] < cut}
-    out = {"unsound": sum(checker[t] is False for t in prev), "sound": sum(checker[t] is True for t in prev)}
-    for key, drops in (("and", both), ("filter", judged & set(prev))):
-        out[key] = {k: sum(checker[t] is want for t in drops) / n if (n := sum(checker[t] is want for t in prev))
-                    else None for k, want in (("catch", False), ("false_reject", True))}
-    return out
+    return {"unsound": sum(checker[t] is False for t in prev), "sound": sum(checker[t] is True for t in prev),
+            "and": _rates(both, prev, checker), "filter": _rates(judged & set(prev), prev, checker)}
 
 
 def _mc_weakest(store, answers: list[dict], rnd: int) -> dict[str, float]:
@@ -467,10 +469,10 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
         rules = [by["judge-and-prm"] for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items()
                  if "judge-and-prm" in by]
         for key, label in (("filter", "the filter as it ran"), ("and", "had an answer to fail the previous PRM too")):
-            catch, fr = _pooled([{"catch": r[key]["catch"], "right_unsound": r["unsound"],
-                                  "false_reject": r[key]["false_reject"], "right_answers": r["unsound"] + r["sound"]}
-                                 for r in rules])
             if rules:
+                catch, fr = _pooled([{"catch": r[key]["catch"], "right_unsound": r["unsound"],
+                                      "false_reject": r[key]["false_reject"],
+                                      "right_answers": r["unsound"] + r["sound"]} for r in rules])
                 print(f"{arm}: {label}, rounds 2 on ({len(rules)} rounds): catch {_f(catch)}, sound dropped {_f(fr)}")
         # Each ranker dropping as many right answers as the filter's judge did, pooled over rounds 1 and on, and
         # over rounds 2 and on (where the previous round's PRM, and so judge+prm, exists).
