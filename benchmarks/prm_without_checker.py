@@ -22,7 +22,8 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   re-judges the replay pool (`filter.judge=round`);
 - `coevo-judge-cap`: coevo-judge whose threshold is calibrated each round on the answers it judges: it drops at
   most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`); `coevo-judge-cap20` at most 20%;
-  `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate, `-lr4` at a tenth;
+  `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate, `-lr4` at a tenth,
+  `coevo-judge-cap20-lr` the 20% cap at a third;
 - `coevo-judge-both`: coevo-judge-cap-lr whose filter, from round 2, drops a right answer only where the previous
   round's PRM also scores it low (`filter.judge=round_and_previous`);
 - `rft-confjudge`: rft-outcome whose judge is the sampler's confidence (`score.reward_model=confidence`): a step
@@ -84,6 +85,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # right answers better (docs/prm-without-checker.md, "How the judges rank").
     "coevo-judge-cap-lr": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                         "train_reward.learning_rate=3e-4"]),
+    "coevo-judge-cap20-lr": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round",
+                                                          "filter.judge_max_drop=0.2", "train_reward.learning_rate=3e-4"]),
     "coevo-judge-cap-lr4": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                          "train_reward.learning_rate=1e-4"]),
     # coevo-judge-cap-lr whose round-2-on drops need the previous round's PRM to agree (filter.judge=round_and_previous).
@@ -107,7 +110,7 @@ JUDGED = ("prm:", "confidence:", "mc_hard:")
 FILTER_JUDGES = ("judge", "prm", "confidence")
 # The arms a judge filters, against rft-outcome and rft-checker.
 JUDGE_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
-              "coevo-judge-cap-lr", "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
+              "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
 
 
 def _sampler() -> list[str]:
