@@ -24,6 +24,8 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   most 30% of them, the lowest scored first (`filter.judge_max_drop=0.3`); `coevo-judge-cap20` at most 20%;
   `coevo-judge-cap-lr` the 30% cap with a PRM that trains at a third of the learning rate, `-lr4` at a tenth,
   `coevo-judge-cap20-lr` the 20% cap at a third;
+- `coevo-judge-big`: coevo-judge-cap-lr whose PRM starts from its own backbone, four times the policy's size and
+  trained on the same demonstrations (PRM_BOOT, built first), not from the policy that sampled the round;
 - `coevo-judge-both`: coevo-judge-cap-lr whose filter, from round 2, drops a right answer only where the previous
   round's PRM also scores it low (`filter.judge=round_and_previous`);
 - `rft-confjudge`: rft-outcome whose judge is the sampler's confidence (`score.reward_model=confidence`): a step
@@ -62,6 +64,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 BOOT = "prm-boot"
+# The judge's own backbone for `coevo-judge-big`: round 0 of configs/arith.yaml at four times the width's parameters
+# (3.24M: hidden 256, MLP 704), trained as prm-boot is, on the same demonstrations; not the policy that samples.
+PRM_BOOT = ("prm-boot-prm", ["policy.tiny.hidden_size=256", "policy.tiny.intermediate_size=704"])
 # The PRM's verdict on a step is P(good); a right answer whose weakest step it scores below one half is dropped.
 PRM_FILTER = ["filter.check_steps=false", "filter.min_step_score=0.5"]
 # The sampler's confidence judge drops a right answer one of whose tokens it sampled at a probability below this.
@@ -86,10 +91,15 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     "coevo-judge-cap-lr": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                         "train_reward.learning_rate=3e-4"]),
     "coevo-judge-cap20-lr": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round",
-                                                          "filter.judge_max_drop=0.2", "train_reward.learning_rate=3e-4"]),
+                                                          "filter.judge_max_drop=0.2",
+                                                          "train_reward.learning_rate=3e-4"]),
+    # coevo-judge-cap-lr whose PRM starts from its own larger backbone (PRM_BOOT), not the policy (train_reward.model).
+    "coevo-judge-big": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
+                                                     "train_reward.learning_rate=3e-4",
+                                                     "train_reward.model={prm_boot}"]),
     "coevo-judge-cap-lr4": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                          "train_reward.learning_rate=1e-4"]),
-    # coevo-judge-cap-lr whose round-2-on drops need the previous round's PRM to agree (filter.judge=round_and_previous).
+    # coevo-judge-cap-lr whose drops from round 2 need the previous round's PRM to agree (round_and_previous).
     "coevo-judge-both": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round_and_previous",
                                                       "filter.judge_max_drop=0.3", "train_reward.learning_rate=3e-4"]),
     "rft-confjudge": ("configs/arith.yaml", ["filter.check_steps=false", "score.reward_model=confidence",
@@ -110,7 +120,8 @@ JUDGED = ("prm:", "confidence:", "mc_hard:")
 FILTER_JUDGES = ("judge", "prm", "confidence")
 # The arms a judge filters, against rft-outcome and rft-checker.
 JUDGE_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
-              "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
+              "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-big",
+              "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
 
 
 def _sampler() -> list[str]:
@@ -167,11 +178,18 @@ def run(workdir: Path, arms: list[str], seeds: list[int], rounds: int, parallel:
     _run_all({BOOT: (cmd, env)}, workdir, 1)
     boot = Store(workdir / "store").committed_model(BOOT, 0, "policy")
     start = [f"policy.model={boot['uri']}", "bootstrap.steps=0", f"rounds={rounds}", *_sampler()]
+    prm_boot = None
+    if any("{prm_boot}" in s for arm in arms for s in ARMS[arm][1]):
+        name, sets = PRM_BOOT
+        _run_all({name: _command("configs/arith.yaml", [f"experiment={name}", "rounds=0", *sets], workdir, name)},
+                 workdir, 1)
+        prm_boot = Store(workdir / "store").committed_model(name, 0, "policy")["uri"]
     jobs = {}
     for seed in seeds:
         for arm in arms:
             config, sets = ARMS[arm]
             name = experiment(arm, seed)
+            sets = [s.replace("{prm_boot}", str(prm_boot)) for s in sets]
             jobs[name] = _command(config, [f"experiment={name}", f"seed={seed}", *start, *sets], workdir, name)
     _run_all(jobs, workdir, parallel)
 

@@ -523,8 +523,12 @@ class TrainRewardConfig(_TrainingProcesses):
         False, description="Keep a label only where the previous PRM agrees with it (Zhang et al. 2025, The "
                            "Lessons of Developing PRMs); labels the previous PRM did not score are kept.")
     init: Literal["previous", "policy"] = Field(
-        "previous", description="Warm-start from the previous round's PRM, or put a new head on the policy that "
-                                "sampled the round.")
+        "previous", description="Warm-start from the previous round's PRM, or start a new PRM each round from its "
+                                "backbone (train_reward.model).")
+    model: str | None = Field(
+        None, description="The backbone a new PRM (and the ORM) starts from: an HF name or a local path, with its own "
+                          "tokenizer; null: the policy that sampled the round. A new PRM starts in round 1, and in "
+                          "every round with init: policy.")
     head: Literal["classifier", "likelihood"] = Field(
         "classifier", description="classifier: a token-classification head reads each step's separator (TRL's "
                                   "PRM); likelihood: a step scores sigmoid(scale * min log p + bias) over its tokens "
@@ -884,11 +888,13 @@ class ExperimentConfig(_Section):
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model
-        that is neither a local folder nor in the Hugging Face cache while the hub is off (HF_HUB_OFFLINE),
+        (policy.model, train_reward.model) that is neither a local folder nor in the Hugging Face cache while the
+        hub is off (HF_HUB_OFFLINE),
         or a data file the domain names that does not exist. Load-time validation cannot say this (the same
         config may start on another machine), so the CLI and the flows call it before any stage runs;
         `model=False` once round 0 has taken the model in (the store then names its files)."""
         problems = [p for p in (_model_problem("policy.model", self.policy.model, self.domain.name) if model else None,
+                                _model_problem("train_reward.model", self.train_reward.model, self.domain.name),
                                 *_data_problems(self.domain.name, self.domain.options)) if p]
         if problems:
             raise ConfigError("this experiment cannot start here:\n  " + "\n  ".join(problems))

@@ -20,7 +20,7 @@ from components.stages.base import (Planner, Stage, domain_of, log, model_id, mo
 
 @dataclass
 class Inputs:
-    policy_uri: str  # the backbone a new PRM starts from: the policy that sampled the round
+    policy_uri: str  # the policy that sampled the round: a new PRM's backbone unless train_reward.model names one
     label_rounds: list[int]
     init_prm_uri: str | None = None  # the previous PRM, with train_reward.init=previous
     parent_model_id: str | None = None
@@ -124,15 +124,19 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     n_steps = sum(v is not None for e in examples for v in e["labels"])  # None: a step without a label
     n_good = sum(v is True for e in examples for v in e["labels"])
     demo_note = f", {len(demos)} of them round-0 demonstrations" if demos else ""
+    # The config decides, not only the plan: a rerun, or benchmarks/judge_settings.py, may change init or model.
+    backbone = tr.model or inp.policy_uri
+    init_prm = inp.init_prm_uri if tr.init == "previous" else None
     log("train_reward", f"PRM on {len(examples)} trajectories ({n_steps} labelled steps, {n_good / n_steps:.0%} good) "
-                        f"from rounds {inp.label_rounds}{demo_note}; {tr.head} head, "
-                        f"init {'previous PRM' if inp.init_prm_uri else 'policy backbone'}")
+                        f"from rounds {inp.label_rounds}{demo_note}; {tr.head} head, init "
+                        + ("previous PRM" if init_prm else f"train_reward.model {tr.model}" if tr.model
+                           else "policy backbone"))
     model_dir = out.artifact_dir("prm")
-    prm_metrics = train_prm(inp.policy_uri, examples, str(model_dir),
+    prm_metrics = train_prm(backbone, examples, str(model_dir),
                             PRMParams(max_steps=tr.steps, batch_size=tr.batch_size, learning_rate=tr.learning_rate,
                                       seed=spec.seed, head=tr.head, lm_weight=tr.lm_weight,
                                       separator=domain.step_separator, **reward_settings(cfg),
-                                      lora=tr.lora.model_dump() if tr.lora else None), init_from_prm=inp.init_prm_uri)
+                                      lora=tr.lora.model_dump() if tr.lora else None), init_from_prm=init_prm)
     log("train_reward", f"PRM loss {prm_metrics['first_loss']:.4f} -> {prm_metrics['final_loss']:.4f} "
                         f"in {prm_metrics['runtime_s']:.1f}s")
     models = [model_row(spec, "prm", model_dir, "prm", inp.parent_model_id, len(examples))]
@@ -144,7 +148,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         from components.rewards.orm import ORMParams, train_orm
 
         orm_dir = out.artifact_dir("orm")
-        orm_metrics = train_orm(inp.policy_uri, outcome_examples, str(orm_dir),
+        orm_metrics = train_orm(backbone, outcome_examples, str(orm_dir),
                                 ORMParams(max_steps=tr.orm_steps, seed=spec.seed, **reward_settings(cfg)))
         log("train_reward", f"ORM on {orm_metrics['pairs']} pairs: loss {orm_metrics['final_loss']:.4f}")
         models.append(model_row(spec, "orm", orm_dir, "orm", None, len(outcome_examples)))

@@ -446,3 +446,32 @@ def test_a_judge_that_never_trained_on_what_it_judges(judge_run, tmp_path):
     m = metrics("train_policy")
     assert m[2]["replay_judged_out"] >= 0  # round 2's PRM re-judged the replay pool (round 1's kept answers)
     assert_plans_read_what_they_declare(cfg, store, tmp_path)
+
+
+def test_a_prm_on_its_own_backbone_whatever_the_plan_warm_started_from(judge_run, tmp_path):
+    """train_reward.model: a new PRM starts from the named backbone, not from the policy that sampled the round. The
+    job reads train_reward.init and .model from its config, so a stored round-2 spec whose plan named the previous
+    PRM trains from the backbone under init=policy (benchmarks/judge_settings.py retrains stored specs so)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from components.jobs.launch import run_job
+    from components.models.tiny import TinyLlamaConfig, create_tiny_llama
+
+    cfg, store = judge_run
+    backbone = create_tiny_llama(TinyLlamaConfig(hidden_size=32, num_heads=2, intermediate_size=96),
+                                 tmp_path / "backbone", seed=3)
+    policy_width = AutoConfig.from_pretrained(store.committed_model(cfg.experiment, 0, "policy")["uri"]).hidden_size
+    for rnd, init in ((1, "previous"), (2, "policy"), (2, "previous")):
+        spec = json.loads(store.committed_run(cfg.experiment, rnd, "train_reward")["spec_json"])
+        assert bool(spec["params"]["init_prm_uri"]) is (rnd == 2)
+        spec["config"]["train_reward"] |= {"model": str(backbone), "init": init, "steps": 5}
+        spec["out_dir"], spec["attempt"] = str(tmp_path / f"r{rnd}-{init}"), 99
+        path = tmp_path / f"r{rnd}-{init}.json"
+        path.write_text(json.dumps(spec))
+        run_job("train_reward", path, log=lambda line: None, timeout_s=600)
+        width = AutoConfig.from_pretrained(tmp_path / f"r{rnd}-{init}" / "prm").hidden_size
+        # round 2 under init=previous warm-starts from round 1's PRM, on the policy's backbone in this run
+        assert width == (policy_width if (rnd, init) == (2, "previous") else 32), (rnd, init)
+        assert list((tmp_path / f"r{rnd}-{init}").glob("part-scores-*.parquet"))  # it judged the round's answers
