@@ -526,7 +526,8 @@ class TrainRewardConfig(_TrainingProcesses):
         "previous", description="Warm-start from the previous round's PRM, or start a new PRM each round from its "
                                 "backbone (train_reward.model).")
     model: str | None = Field(
-        None, description="The backbone a new PRM (and the ORM) starts from: an HF name or a local path, with its own "
+        None, exclude_if=lambda v: v is None,  # left out of to_dict at its default: older configs hash as they did
+        description="The backbone a new PRM (and the ORM) starts from: an HF name or a local path, with its own "
                           "tokenizer; null: the policy that sampled the round. A new PRM starts in round 1, and in "
                           "every round with init: policy.")
     head: Literal["classifier", "likelihood"] = Field(

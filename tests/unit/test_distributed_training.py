@@ -340,6 +340,7 @@ def test_the_defaults_leave_the_config_and_its_hash_as_they_were():
     cfg = load_config(REPO / "configs/micro.yaml")
     assert (cfg.train_policy.processes, cfg.train_policy.strategy) == (1, "ddp")
     assert not {"processes", "strategy"} & (set(cfg.to_dict()["train_policy"]) | set(cfg.to_dict()["train_reward"]))
+    assert "model" not in cfg.to_dict()["train_reward"]  # train_reward.model at its default (null), likewise
     assert cfg.config_hash() == "06256a4c6525349a"  # micro.yaml's before the fields existed
     two = load_config(REPO / "configs/micro.yaml", ["train_policy.processes=2"])
     assert two.to_dict()["train_policy"]["processes"] == 2 and two.config_hash() != cfg.config_hash()
