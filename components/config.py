@@ -528,8 +528,8 @@ class TrainRewardConfig(_TrainingProcesses):
     model: str | None = Field(
         None, exclude_if=lambda v: v is None,  # left out of to_dict at its default: older configs hash as they did
         description="The backbone a new PRM (and the ORM) starts from: an HF name or a local path, with its own "
-                          "tokenizer; null: the policy that sampled the round. A new PRM starts in round 1, and in "
-                          "every round with init: policy.")
+                    "tokenizer; null: the policy that sampled the round. A new PRM starts in round 1, and in every "
+                    "round with init: policy.")
     head: Literal["classifier", "likelihood"] = Field(
         "classifier", description="classifier: a token-classification head reads each step's separator (TRL's "
                                   "PRM); likelihood: a step scores sigmoid(scale * min log p + bias) over its tokens "
@@ -890,8 +890,7 @@ class ExperimentConfig(_Section):
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model
         (policy.model, train_reward.model) that is neither a local folder nor in the Hugging Face cache while the
-        hub is off (HF_HUB_OFFLINE),
-        or a data file the domain names that does not exist. Load-time validation cannot say this (the same
+        hub is off (HF_HUB_OFFLINE), or a data file the domain names that does not exist. Load-time validation cannot say this (the same
         config may start on another machine), so the CLI and the flows call it before any stage runs;
         `model=False` once round 0 has taken the model in (the store then names its files)."""
         problems = [p for p in (_model_problem("policy.model", self.policy.model, self.domain.name) if model else None,

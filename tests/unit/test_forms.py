@@ -40,7 +40,7 @@ def test_a_local_model_folder_must_exist_and_hold_a_checkpoint(tmp_path):
     _cfg(model=None).check_startable()  # a tiny model from scratch needs nothing
 
 
-def test_the_reward_models_own_backbone_is_checked_as_the_policy_is(tmp_path):
+def test_the_reward_models_own_backbone_is_checked_as_the_policy_is():
     """train_reward.model is read in every round (a new PRM starts from it), so round 0 having run changes nothing."""
     cfg = load_config(REPO / "configs" / "arith-coevo.yaml", ["train_reward.model=./no/prm"])
     with pytest.raises(ConfigError, match=r"train_reward.model: no model folder './no/prm'"):
