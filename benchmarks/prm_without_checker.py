@@ -412,6 +412,12 @@ def _pooled(rows: list[dict]) -> tuple[float | None, float | None]:
             sum(c * n for c, n in good) / n_good if n_good else None)
 
 
+def _pooled_ranked(rows: list[dict], key: str) -> tuple[float | None, float | None]:
+    """`_pooled` over `_ranking`'s rows: each row's `key` rates, weighted by its unsound and sound right answers."""
+    return _pooled([{"catch": r[key]["catch"], "right_unsound": r["unsound"], "false_reject": r[key]["false_reject"],
+                     "right_answers": r["unsound"] + r["sound"]} for r in rows])
+
+
 def _within(rows: list[dict], budget: int) -> dict:
     """The last round whose cumulative tokens fit in `budget` (round 0 costs none)."""
     return [r for r in rows if r["cum_tokens"] <= budget][-1]
@@ -491,9 +497,7 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
                  if "judge-and-prm" in by]
         for key, label in (("filter", "the filter as it ran"), ("and", "had an answer to fail the previous PRM too")):
             if rules:
-                catch, fr = _pooled([{"catch": r[key]["catch"], "right_unsound": r["unsound"],
-                                      "false_reject": r[key]["false_reject"],
-                                      "right_answers": r["unsound"] + r["sound"]} for r in rules])
+                catch, fr = _pooled_ranked(rules, key)
                 print(f"{arm}: {label}, rounds 2 on ({len(rules)} rounds): catch {_f(catch)}, sound dropped {_f(fr)}")
         # Each ranker dropping as many right answers as the filter's judge did, pooled over rounds 1 and on, and
         # over rounds 2 and on (where the previous round's PRM, and so judge+prm, exists).
@@ -502,9 +506,7 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
                     if rnd >= first]
             for w in (w for w in RANKERS if any(w in by for by in runs)):
                 at = [by[w] for by in runs if w in by]
-                catch, fr = _pooled([{"catch": r["at_count"]["catch"], "right_unsound": r["unsound"],
-                                      "false_reject": r["at_count"]["false_reject"],
-                                      "right_answers": r["unsound"] + r["sound"]} for r in at])
+                catch, fr = _pooled_ranked(at, "at_count")
                 print(f"{arm}: {w} dropping the judge's count, rounds {first} on ({len(at)} rounds): "
                       f"catch {_f(catch)}, sound dropped {_f(fr)}")
     if data:
