@@ -26,6 +26,8 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   `coevo-judge-cap20-lr` the 20% cap at a third;
 - `coevo-judge-big`: coevo-judge-cap-lr whose PRM starts from its own backbone, four times the policy's size and
   trained on the same demonstrations (PRM_BOOT, built first), not from the policy that sampled the round;
+  `coevo-judge-big-t30` the same at threshold 0.3 (`filter.min_step_score`) instead of one half, and
+  `coevo-judge-big-t30-cap40` that with a 40% cap;
 - `coevo-judge-both`: coevo-judge-cap-lr whose filter, from round 2, drops a right answer only where the previous
   round's PRM also scores it low (`filter.judge=round_and_previous`);
 - `rft-confjudge`: rft-outcome whose judge is the sampler's confidence (`score.reward_model=confidence`): a step
@@ -44,8 +46,9 @@ and how each learned judge ranks the right answers whatever its threshold (the A
 threshold in hindsight that drops at most 5% of the sound ones; for filter.judge=round, also the round's PRM and the
 previous round's together, by their z-scores summed and as a rule that drops only what fails both;
 `--sampler-ranking` adds the sampler's likelihood and its confidence, each alone and summed with the judge's score,
-`--mc-ranking` Monte Carlo rollouts from the answers' own prefixes), and what each would catch dropping as many as
-the judge did.
+`--mc-ranking` Monte Carlo rollouts from the answers' own prefixes), what each would catch dropping as many as
+the judge did, the filter's judge replayed at other fixed thresholds (THRESHOLDS), and the sound right answers the
+judges dropped, by level.
 It writes `prm_without_checker.png` and `.json` beside the store.
 """
 
@@ -69,6 +72,9 @@ BOOT = "prm-boot"
 PRM_BOOT = ("prm-boot-prm", ["policy.tiny.hidden_size=256", "policy.tiny.intermediate_size=704"])
 # The PRM's verdict on a step is P(good); a right answer whose weakest step it scores below one half is dropped.
 PRM_FILTER = ["filter.check_steps=false", "filter.min_step_score=0.5"]
+# coevo-judge-cap-lr's judge on PRM_BOOT's backbone: the 30% cap, a third of arith-coevo.yaml's learning rate.
+BIG_JUDGE = [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3", "train_reward.learning_rate=3e-4",
+             "train_reward.model={prm_boot}"]
 # The sampler's confidence judge drops a right answer one of whose tokens it sampled at a probability below this.
 CONF_THRESHOLD = 0.5
 ARMS: dict[str, tuple[str, list[str]]] = {
@@ -94,9 +100,14 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                                                           "filter.judge_max_drop=0.2",
                                                           "train_reward.learning_rate=3e-4"]),
     # coevo-judge-cap-lr whose PRM starts from its own larger backbone (PRM_BOOT), not the policy (train_reward.model).
-    "coevo-judge-big": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
-                                                     "train_reward.learning_rate=3e-4",
-                                                     "train_reward.model={prm_boot}"]),
+    "coevo-judge-big": ("configs/arith-coevo.yaml", BIG_JUDGE),
+    # coevo-judge-big at a lower threshold: its unsound right answers score near 0, and its sound ones' lower tail
+    # (the longest chains) reaches below one half (docs/prm-without-checker.md, "The big judge's threshold").
+    "coevo-judge-big-t30": ("configs/arith-coevo.yaml", [*BIG_JUDGE, "filter.min_step_score=0.3"]),
+    # coevo-judge-big-t30 whose cap is 40%: round 1's unsound right answers were 33-40% of its right answers, more
+    # than the 30% cap lets a judge drop; from round 2 on the threshold, not the cap, binds.
+    "coevo-judge-big-t30-cap40": ("configs/arith-coevo.yaml", [*BIG_JUDGE, "filter.min_step_score=0.3",
+                                                               "filter.judge_max_drop=0.4"]),
     "coevo-judge-cap-lr4": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                          "train_reward.learning_rate=1e-4"]),
     # coevo-judge-cap-lr whose drops from round 2 need the previous round's PRM to agree (round_and_previous).
@@ -106,6 +117,8 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                                              f"filter.min_step_score={CONF_THRESHOLD}", "filter.judge_max_drop=0.3"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
+# The fixed thresholds `_ranking` replays each filter's judge at (filter.min_step_score; the run's cap kept).
+THRESHOLDS = (0.5, 0.3, 0.2, 0.1)
 # Who ranks the right answers in `_ranking`: the round's own PRM, the previous round's, the two together (the sum of
 # their z-scores within the round; filter.judge=round arms, whose score stage still runs the previous round's PRM),
 # the sampler's confidence
@@ -120,7 +133,8 @@ JUDGED = ("prm:", "confidence:", "mc_hard:")
 FILTER_JUDGES = ("judge", "prm", "confidence")
 # The arms a judge filters, against rft-outcome and rft-checker.
 JUDGE_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
-              "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-big",
+              "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-big", "coevo-judge-big-t30",
+              "coevo-judge-big-t30-cap40",
               "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
 
 
@@ -217,27 +231,34 @@ def _rounds(store, name: str) -> list[dict]:
     return rows
 
 
-def _unsound_kinds(store, names: list[str]) -> dict[str, tuple[int, int]]:
+def _unsound_kinds(store, names: list[str]) -> tuple[dict[str, tuple[int, int]], dict[int, tuple[int, int]]]:
     """Right training answers whose steps the checker rejects, by kind: a step the oracle calls wrong
     (a slip that a later one cancels), or every step right but one skipped or added; (dropped by a
-    learned judge, all), over every round."""
+    learned judge, all), over every round. And the sound ones (the checker accepts them) by level: (dropped by a
+    learned judge, all)."""
     from components.domains.arith import ArithDomain
 
     d = ArithDomain()
     rows = store.rows("""
-        SELECT t.prompt, t.completion, sel.reason,
+        SELECT t.level, t.prompt, t.completion, sel.reason,
                bool_and(l.value = 1.0) FILTER (WHERE l.source = 'oracle') AS oracle_ok
         FROM trajectories t JOIN verifications v USING (trajectory_id)
         JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
         LEFT JOIN step_labels l ON l.trajectory_id = t.trajectory_id
         WHERE t.experiment_id IN (SELECT unnest(?)) AND t.purpose = 'train' AND v.correct GROUP BY ALL""", [names])
     kinds: dict[str, list[int]] = {"a wrong step": [0, 0], "a skipped or added step": [0, 0]}
+    sound: dict[int, list[int]] = {}
     for r in rows:
-        if d.check_steps(r["prompt"], r["completion"]) is False:
+        ok = d.check_steps(r["prompt"], r["completion"])
+        if ok is False:
             k = kinds["a skipped or added step" if r["oracle_ok"] else "a wrong step"]
-            k[0] += r["reason"].startswith(JUDGED)
-            k[1] += 1
-    return {k: (c, n) for k, (c, n) in kinds.items() if n}
+        elif ok:
+            k = sound.setdefault(r["level"], [0, 0])
+        else:
+            continue
+        k[0] += r["reason"].startswith(JUDGED)
+        k[1] += 1
+    return {k: (c, n) for k, (c, n) in kinds.items() if n}, {lv: (c, n) for lv, (c, n) in sorted(sound.items())}
 
 
 def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dict[str, dict]]:
@@ -250,7 +271,7 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
     weakest. Each ranker also gets `at_count`: the catch and false-reject rates had it dropped as many right
     answers as the filter's judge did, its lowest first."""
     from components.domains.arith import ArithDomain
-    from components.filtering import judge_ranking
+    from components.filtering import judge_ranking, judge_threshold
 
     d = ArithDomain()
     rows = store.rows("""
@@ -307,6 +328,10 @@ def _ranking(store, name: str, sampler: bool, mc: bool = False) -> dict[int, dic
             out.setdefault(rnd, {})[who] = ranked | {"at_count": at, "dropped": len(lowest),
                                                      "unsound": sum(checker[t] is False for t in scores),
                                                      "sound": sum(checker[t] is True for t in scores)}
+            if who in FILTER_JUDGES:  # a P(good): the run's threshold rule at other thresholds, its cap kept
+                cuts = {t: judge_threshold(list(scores.values()), t, f.get("judge_max_drop")) for t in THRESHOLDS}
+                out[rnd][who]["at_threshold"] = {t: _rates([x for x in scores if scores[x] < c], scores, checker)
+                                                 for t, c in cuts.items()}
     for rnd, rule in both_prms.items():
         out.setdefault(rnd, {})["judge-and-prm"] = rule
     return out
@@ -469,9 +494,13 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
     out: dict = {"final": final, "recovery": {}, "unsound_kinds": {}}
     print("\n== right answers whose steps do not check, by kind, and the share the learned judges dropped ==")
     for arm in (a for a in ARMS if any((a, s) in data for s in seeds)):
-        kinds = _unsound_kinds(store, [experiment(arm, s) for s in seeds if (arm, s) in data])
+        kinds, sound = _unsound_kinds(store, [experiment(arm, s) for s in seeds if (arm, s) in data])
         out["unsound_kinds"][arm] = kinds
+        out.setdefault("sound_by_level", {})[arm] = sound
         print(f"{arm:<14} " + "; ".join(f"{k}: {n} ({c / n:.2f} dropped by a judge)" for k, (c, n) in kinds.items()))
+        if arm in JUDGE_ARMS:
+            print(f"{'':<14} sound ones by level: " + "; ".join(f"level {lv}: {n} ({c / n:.3f} dropped by a judge)"
+                                                            for lv, (c, n) in sound.items()))
     print("\n== how the learned judges rank the right answers, whatever their threshold: AUC (an unsound one scored "
           "below a sound one) and the catch rate of the best threshold in hindsight that drops at most 5% of the "
           "sound ones ==")
@@ -493,6 +522,9 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
             met = sum(r["judge_hindsight_catch"] >= 0.8 for r in later)
             print(f"{arm}: from round 2 on, a threshold chosen in hindsight catches >= 0.8 at <= 5% of the sound "
                   f"dropped in {met} of {len(later)} rounds")
+            rates = {t: _pooled_ranked([r | {"t": r["at_threshold"][t]} for r in later], "t") for t in THRESHOLDS}
+            print(f"{arm}: its judge replayed at other thresholds, rounds 2 on ({len(later)} rounds): "
+                  + "; ".join(f"{t}: catch {_f(c)}, sound dropped {_f(fr)}" for t, (c, fr) in rates.items()))
         rules = [by["judge-and-prm"] for s in seeds for rnd, by in out["ranking"].get(experiment(arm, s), {}).items()
                  if "judge-and-prm" in by]
         for key, label in (("filter", "the filter as it ran"), ("and", "had an answer to fail the previous PRM too")):
