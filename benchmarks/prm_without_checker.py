@@ -587,15 +587,18 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
 def _plot(data: dict, workdir: Path, save, plt) -> None:
     fig, grid = plt.subplots(2, 2, figsize=(13, 9), dpi=110)
     axes = grid.ravel()
-    colors = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    # One colour per arm run (tab20: more arms than the default cycle's ten), one legend entry per arm.
+    colors = {arm: plt.get_cmap("tab20")(i % 20) for i, arm in enumerate(dict.fromkeys(a for a, _ in data))}
     panels = (("greedy_acc", "held-out greedy accuracy, all levels (%)"),
               ("hard_acc", "held-out greedy accuracy, hardest level (%)"),
               ("unsound", "right greedy answers whose steps do not check (%)"))
     for ax, (key, label) in zip(axes, panels):
+        labelled = set()
         for (arm, s), rows in data.items():
             pts = [(r["cum_tokens"] / 1000, 100 * r[key]) for r in rows if r[key] is not None]
             ax.plot(*zip(*pts), marker="o", color=colors[arm], linestyle="-" if s == min(x for _, x in data) else "--",
-                    label=f"{arm} (seed {s})")
+                    label=None if arm in labelled else arm)
+            labelled.add(arm)
         ax.set_xlabel("cumulative generated tokens, rollouts included (thousands)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -607,12 +610,13 @@ def _plot(data: dict, workdir: Path, save, plt) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[arm], linestyle=style)
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", color=colors[arm], linestyle=style, alpha=0.5)
     ax.axhline(80, color="grey", linewidth=0.8, linestyle=":")
-    ax.axhline(10, color="grey", linewidth=0.8, linestyle=":")
+    ax.axhline(5, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("round")
     ax.set_ylabel("the PRM as the filter's judge (%)")
-    ax.set_title("o: unsound right answers caught; x: sound ones dropped (goals: 80, 10)", fontsize=9)
+    ax.set_title("o: unsound right answers caught; x: sound ones dropped (goals: >= 80, <= 5)", fontsize=9)
     ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="lower right", title="solid: the first seed; dashed: the others",
+                   title_fontsize=7)
     fig.suptitle("Without a step checker: the outcome verifier alone, the PRM as the judge, and the checker")
     save(fig, workdir / "prm_without_checker.png")
 
