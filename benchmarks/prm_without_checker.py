@@ -102,7 +102,7 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # coevo-judge-cap-lr whose PRM starts from its own larger backbone (PRM_BOOT), not the policy (train_reward.model).
     "coevo-judge-big": ("configs/arith-coevo.yaml", BIG_JUDGE),
     # coevo-judge-big at a lower threshold: its unsound right answers score near 0, and its sound ones' lower tail
-    # (the longest chains) reaches below one half (docs/prm-without-checker.md, "The big judge's threshold").
+    # (the longest chains) reaches below one half (docs/prm-without-checker.md, "The big judge at four seeds").
     "coevo-judge-big-t30": ("configs/arith-coevo.yaml", [*BIG_JUDGE, "filter.min_step_score=0.3"]),
     # coevo-judge-big-t30 whose cap is 40%: round 1's unsound right answers were 33-40% of its right answers, more
     # than the 30% cap lets a judge drop; from round 2 on the threshold, not the cap, binds.
