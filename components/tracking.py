@@ -20,16 +20,19 @@ TAG_EXPERIMENT = "coevo.experiment"
 # a model-training experiment opens on its runs and their charts.
 TAG_KIND, KIND_TRAINING = "mlflow.experimentKind", "custom_model_development"
 TAG_ROUND = "coevo.round"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def code_version() -> str | None:
-    """The git sha of the code (with '-dirty' if the tree has changes), or None outside git."""
-    root = Path(__file__).resolve().parent.parent
+    """`COEVO_CODE_VERSION` where set (an image built without .git names its commit so), else the git sha of
+    the code (with '-dirty' if the tree has changes), else None."""
+    if os.environ.get("COEVO_CODE_VERSION"):
+        return os.environ["COEVO_CODE_VERSION"]
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
         if sha.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=5).stdout.strip()
         return sha.stdout.strip()[:12] + ("-dirty" if dirty else "")
     except (OSError, subprocess.TimeoutExpired):

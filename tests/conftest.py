@@ -26,6 +26,12 @@ for _k, _v in TELEMETRY_OFF.items():
 # One torch thread per stage job, as the fault tests run them: results are then the same whatever
 # else the machine is doing, and two runs sharing two cores do not spin against each other.
 os.environ.setdefault("COEVO_TORCH_THREADS", "1")
+# The code version every run in the suite records (`experiments.code_version`, `verifications.verifier_version`),
+# read once: a commit made while the suite runs must not make a rerun's rows differ from the run's.
+if not os.environ.get("COEVO_CODE_VERSION"):
+    from components.tracking import code_version
+
+    os.environ["COEVO_CODE_VERSION"] = code_version() or ""
 
 
 # -- two workers (`make test`: pytest-xdist, `-n 2`) -------------------------------------------------

@@ -375,6 +375,10 @@ def test_dockerfile_builds_the_stage_job_image():
     makefile_torch = re.findall(r'pip install -q "(torch==[^"]+)"', (REPO / "Makefile").read_text())
     assert makefile_torch == [torch_pin], \
         f"expected the Makefile to install {torch_pin} first too, found {makefile_torch}"
+    # .dockerignore leaves .git out, so the build names the commit the runs record (components.tracking).
+    assert "CODE_VERSION=" in [a for w, a in ins if w == "ARG"], f"expected ARG CODE_VERSION=, found {ins}"
+    assert any("COEVO_CODE_VERSION=${CODE_VERSION}" in a.split() for w, a in ins if w == "ENV"), \
+        f"expected ENV COEVO_CODE_VERSION=${{CODE_VERSION}}, found {[a for w, a in ins if w == 'ENV']}"
     cmd = [a for w, a in ins if w == "CMD"]
     assert cmd and json.loads(cmd[-1])[:3] == ["python", "-m", "components.jobs"], \
         f"expected CMD python -m components.jobs, found {cmd}"
