@@ -27,7 +27,7 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
 - `coevo-judge-big`: coevo-judge-cap-lr whose PRM starts from its own backbone, four times the policy's size and
   trained on the same demonstrations (PRM_BOOT, built first), not from the policy that sampled the round;
   `coevo-judge-big-t30` the same at threshold 0.3 (`filter.min_step_score`) instead of one half, and
-  `coevo-judge-big-t30-cap40` that with a 40% cap;
+  `coevo-judge-big-t30-cap40` that with a 40% cap, `-cap50` with a 50% cap;
 - `coevo-judge-both`: coevo-judge-cap-lr whose filter, from round 2, drops a right answer only where the previous
   round's PRM also scores it low (`filter.judge=round_and_previous`);
 - `rft-confjudge`: rft-outcome whose judge is the sampler's confidence (`score.reward_model=confidence`): a step
@@ -41,7 +41,8 @@ Then, from the store, it prints per arm and round the cumulative tokens, held-ou
 hardest level), the share of right greedy answers whose steps do not check (skipped operations, cancelling
 slips), and the filter's catch rate (the share of right answers with unsound steps that the learned judges
 reject, against the share of sound ones they reject); then the seed-to-seed spread, and last the recovery
-ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy, the catch rates and the tokens;
+ratios, (coevo - rft-outcome) / (rft-checker - rft-outcome) on final accuracy at the seeds the arm and both
+baselines ran, with a 90% interval over those seeds (a paired bootstrap), the catch rates and the tokens;
 and how each learned judge ranks the right answers whatever its threshold (the AUC, and the catch rate of the best
 threshold in hindsight that drops at most 5% of the sound ones; for filter.judge=round, also the round's PRM and the
 previous round's together, by their z-scores summed and as a rule that drops only what fails both;
@@ -57,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -108,6 +110,10 @@ ARMS: dict[str, tuple[str, list[str]]] = {
     # than the 30% cap lets a judge drop; from round 2 on the threshold, not the cap, binds.
     "coevo-judge-big-t30-cap40": ("configs/arith-coevo.yaml", [*BIG_JUDGE, "filter.min_step_score=0.3",
                                                                "filter.judge_max_drop=0.4"]),
+    # ...and at 50%: replayed on the eight seeds' stored round 1 (threshold 0.3), 50% catches 0.976 of round 1's
+    # unsound right answers and drops 21.2% of its sound ones, 40% 0.905 and 9.6%; from round 2 on both 0.956, 3.0%.
+    "coevo-judge-big-t30-cap50": ("configs/arith-coevo.yaml", [*BIG_JUDGE, "filter.min_step_score=0.3",
+                                                               "filter.judge_max_drop=0.5"]),
     "coevo-judge-cap-lr4": ("configs/arith-coevo.yaml", [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3",
                                                          "train_reward.learning_rate=1e-4"]),
     # coevo-judge-cap-lr whose drops from round 2 need the previous round's PRM to agree (round_and_previous).
@@ -134,7 +140,7 @@ FILTER_JUDGES = ("judge", "prm", "confidence")
 # The arms a judge filters, against rft-outcome and rft-checker.
 JUDGE_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
               "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-big", "coevo-judge-big-t30",
-              "coevo-judge-big-t30-cap40",
+              "coevo-judge-big-t30-cap40", "coevo-judge-big-t30-cap50",
               "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
 
 
@@ -543,18 +549,28 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
                       f"catch {_f(catch)}, sound dropped {_f(fr)}")
     if data:
         _plot(data, workdir, _save, plt)
-    base, ref = final.get("rft-outcome"), final.get("rft-checker")
     print("\n== recovery, catch rate and tokens (goals: recovery >= 0.75 on both, catch >= 0.80 with <= 0.05 of "
           "good ones rejected, tokens <= rft-outcome's) ==")
     for arm in (a for a in JUDGE_ARMS if a in final):
         f = final[arm]
+        # The baselines at the arm's own seeds: an arm run at fewer seeds is not compared with other seeds' means.
+        shared = [s for s in f["seeds"] if all(s in final.get(b, {}).get("per_seed", {})
+                                                for b in ("rft-outcome", "rft-checker"))]
+        base = ref = None
+        if shared:
+            base, ref = _over(final["rft-outcome"], shared), _over(final["rft-checker"], shared)
+            f = _over(f, shared) | {"seeds": shared, "catch": f["catch"], "false_reject": f["false_reject"]}
+        if shared != final[arm]["seeds"]:
+            print(f"{arm}: compared at seeds {shared}, those the baselines ran too")
         rec = {}
         for key in ("all", "hard"):
             if base and ref:
                 gain = ref[key] - base[key]
                 spread = max(base[f"{key}_spread"], ref[f"{key}_spread"], f[f"{key}_spread"])
                 rec[key] = {"ratio": (f[key] - base[key]) / gain if gain else None, "checker_gain": gain,
-                            "arm_minus_outcome": f[key] - base[key], "seed_spread": spread}
+                            "arm_minus_outcome": f[key] - base[key], "seed_spread": spread,
+                            "interval": _interval([final[a]["per_seed"] for a in (arm, "rft-outcome", "rft-checker")],
+                                                  shared, key)}
         # The same comparison at rft-outcome's budget: each seed's last round within rft-outcome's final tokens.
         matched = [(s, _within(data[(arm, s)], data[("rft-outcome", s)][-1]["cum_tokens"])) for s in f["seeds"]
                    if ("rft-outcome", s) in data]
@@ -571,8 +587,10 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
                 r = rec[key]
                 tie = (" (a tie: the checker's gain is within the seed spread)"
                        if abs(r["checker_gain"]) <= r["seed_spread"] else "")
+                lo, hi = r["interval"]
                 print(f"{arm} [{label}]: recovery {_f(r['ratio'], '.2f')} = ({f[key]:.3f} - {base[key]:.3f}) / "
-                      f"({ref[key]:.3f} - {base[key]:.3f}); seed spread {r['seed_spread']:.3f}{tie}")
+                      f"({ref[key]:.3f} - {base[key]:.3f}); seed spread {r['seed_spread']:.3f}{tie}; "
+                      f"90% interval over seeds {_f(lo, '.2f')}..{_f(hi, '.2f')}")
             if f"{key}_at_budget" in rec:
                 r = rec[f"{key}_at_budget"]
                 print(f"{arm} [{label}] at rft-outcome's budget (rounds {r['rounds']}): recovery "
@@ -582,6 +600,29 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
     (workdir / "prm_without_checker.json").write_text(json.dumps(out, indent=2, default=str))
     print(f"\nplot: {workdir / 'prm_without_checker.png'}\njson: {workdir / 'prm_without_checker.json'}")
     return out
+
+
+def _interval(per_seed: list[dict], seeds: list[int], key: str, draws: int = 20000) -> tuple[float | None, ...]:
+    """The 5th and 95th percentiles of recovery over seeds drawn with replacement, each draw's seeds the same for
+    the arm and both baselines (per_seed: the arm's, rft-outcome's, rft-checker's); draws where the checker gains
+    nothing have no recovery and are left out. One seed gives no interval."""
+    if len(seeds) < 2:
+        return None, None
+    rng, ratios = random.Random(0), []
+    for _ in range(draws):
+        drawn = rng.choices(seeds, k=len(seeds))
+        arm, base, ref = (mean(ps[s][key] for s in drawn) for ps in per_seed)
+        if ref > base:
+            ratios.append((arm - base) / (ref - base))
+    ratios.sort()
+    return (ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios))]) if ratios else (None, None)
+
+
+def _over(f: dict, seeds: list[int]) -> dict:
+    """An arm's final-round means and spreads over some of its seeds."""
+    rows = [f["per_seed"][s] for s in seeds]
+    return ({k: mean(r[k] for r in rows) for k in ("all", "hard", "tokens")}
+            | {f"{k}_spread": max(r[k] for r in rows) - min(r[k] for r in rows) for k in ("all", "hard")})
 
 
 def _plot(data: dict, workdir: Path, save, plt) -> None:
