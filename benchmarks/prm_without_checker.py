@@ -480,17 +480,14 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
             continue
         last = [rows[-1] for rows in runs]
         catch = [_pooled(rows) for rows in runs]
-        final[arm] = {
-            "seeds": [s for s in seeds if (arm, s) in data], "rounds": last[0]["round"],
-            "all": mean(r["greedy_acc"] for r in last), "hard": mean(r["hard_acc"] for r in last),
-            "all_spread": max(r["greedy_acc"] for r in last) - min(r["greedy_acc"] for r in last),
-            "hard_spread": max(r["hard_acc"] for r in last) - min(r["hard_acc"] for r in last),
+        ran = [s for s in seeds if (arm, s) in data]
+        per_seed = {s: {"all": data[(arm, s)][-1]["greedy_acc"], "hard": data[(arm, s)][-1]["hard_acc"],
+                        "tokens": data[(arm, s)][-1]["cum_tokens"]} for s in ran}
+        final[arm] = _over(per_seed, ran) | {
+            "seeds": ran, "rounds": last[0]["round"], "per_seed": per_seed,
             "unsound": mean(r["unsound"] for r in last) if all(r["unsound"] is not None for r in last) else None,
-            "tokens": mean(r["cum_tokens"] for r in last),
             "catch": mean(c for c, _ in catch) if all(c is not None for c, _ in catch) else None,
             "false_reject": mean(f for _, f in catch) if all(f is not None for _, f in catch) else None,
-            "per_seed": {s: {"all": data[(arm, s)][-1]["greedy_acc"], "hard": data[(arm, s)][-1]["hard_acc"],
-                             "tokens": data[(arm, s)][-1]["cum_tokens"]} for s in seeds if (arm, s) in data},
         }
     print("\n== final round, mean over seeds (spread: max - min over seeds) ==")
     print(f"{'arm':<14} {'seeds':>6} {'all':>6} {'spread':>7} {'hard':>6} {'spread':>7} {'unsound':>8} {'tokens':>10}")
@@ -558,8 +555,8 @@ def report(workdir: Path, seeds: list[int], sampler: bool = False, mc: bool = Fa
                                                 for b in ("rft-outcome", "rft-checker"))]
         base = ref = None
         if shared:
-            base, ref = _over(final["rft-outcome"], shared), _over(final["rft-checker"], shared)
-            f = _over(f, shared) | {"seeds": shared, "catch": f["catch"], "false_reject": f["false_reject"]}
+            base, ref = (_over(final[b]["per_seed"], shared) for b in ("rft-outcome", "rft-checker"))
+            f = _over(f["per_seed"], shared) | {"seeds": shared, "catch": f["catch"], "false_reject": f["false_reject"]}
         if shared != final[arm]["seeds"]:
             print(f"{arm}: compared at seeds {shared}, those the baselines ran too")
         rec = {}
@@ -618,9 +615,9 @@ def _interval(per_seed: list[dict], seeds: list[int], key: str, draws: int = 200
     return (ratios[int(0.05 * len(ratios))], ratios[int(0.95 * len(ratios))]) if ratios else (None, None)
 
 
-def _over(f: dict, seeds: list[int]) -> dict:
-    """An arm's final-round means and spreads over some of its seeds."""
-    rows = [f["per_seed"][s] for s in seeds]
+def _over(per_seed: dict, seeds: list[int]) -> dict:
+    """An arm's final-round means and spreads (max - min) over some of its seeds (per_seed: its final rounds)."""
+    rows = [per_seed[s] for s in seeds]
     return ({k: mean(r[k] for r in rows) for k in ("all", "hard", "tokens")}
             | {f"{k}_spread": max(r[k] for r in rows) - min(r[k] for r in rows) for k in ("all", "hard")})
 
