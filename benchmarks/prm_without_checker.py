@@ -34,6 +34,9 @@ up to 4, until a problem has a right answer) for the same number of rounds, and 
   scores the probability of its least likely token under the policy that sampled it. Nothing trains and nothing
   rolls out, so it costs rft-outcome's tokens. It drops the right answers whose weakest step scores below
   CONF_THRESHOLD, at most 30% of them, the lowest first;
+- `rft-bigconf`: rft-confjudge whose judge is PRM_BOOT's backbone (`score.confidence_model`), fixed for the run:
+  a model that did not write the answers. It drops those below BIG_CONF_THRESHOLD, at most 40% of them. It costs
+  rft-outcome's tokens too;
 - `rft-checker`: rft with the domain's step checker (`check_steps=true`): the reference, not a competitor.
 
 Each arm runs once per seed (`--seeds`, default 0 1): a seed changes sampling and training, not the bootstrap.
@@ -79,6 +82,9 @@ BIG_JUDGE = [*PRM_FILTER, "filter.judge=round", "filter.judge_max_drop=0.3", "tr
              "train_reward.model={prm_boot}"]
 # The sampler's confidence judge drops a right answer one of whose tokens it sampled at a probability below this.
 CONF_THRESHOLD = 0.5
+# ...and PRM_BOOT's backbone's confidence (rft-bigconf) below this: a larger model's least likely token in a sound
+# step is still far less likely than the sampler's own.
+BIG_CONF_THRESHOLD = 0.005
 ARMS: dict[str, tuple[str, list[str]]] = {
     "rft-outcome": ("configs/arith.yaml", ["filter.check_steps=false"]),
     "coevo-outcome": ("configs/arith-coevo.yaml", PRM_FILTER),
@@ -121,6 +127,12 @@ ARMS: dict[str, tuple[str, list[str]]] = {
                                                       "filter.judge_max_drop=0.3", "train_reward.learning_rate=3e-4"]),
     "rft-confjudge": ("configs/arith.yaml", ["filter.check_steps=false", "score.reward_model=confidence",
                                              f"filter.min_step_score={CONF_THRESHOLD}", "filter.judge_max_drop=0.3"]),
+    # rft-confjudge whose judge is PRM_BOOT's backbone, which did not write the answers and never trains: its
+    # confidence, replayed on rft-outcome's right answers at seeds 0-11, ranks them at an AUC of 0.95-0.996; at
+    # BIG_CONF_THRESHOLD it caught 0.90-0.93 of level 3's unsound right answers and dropped 8-9% of its sound ones.
+    "rft-bigconf": ("configs/arith.yaml", ["filter.check_steps=false", "score.reward_model=confidence",
+                                           "score.confidence_model={prm_boot}",
+                                           f"filter.min_step_score={BIG_CONF_THRESHOLD}", "filter.judge_max_drop=0.4"]),
     "rft-checker": ("configs/arith.yaml", ["filter.check_steps=true"]),
 }
 # The fixed thresholds `_ranking` replays each filter's judge at (filter.min_step_score; the run's cap kept).
@@ -141,7 +153,7 @@ FILTER_JUDGES = ("judge", "prm", "confidence")
 JUDGE_ARMS = ("coevo-outcome", "coevo-explore", "coevo-stepdpo", "coevo-judge", "coevo-judge-cap", "coevo-judge-cap20",
               "coevo-judge-cap-lr", "coevo-judge-cap20-lr", "coevo-judge-big", "coevo-judge-big-t30",
               "coevo-judge-big-t30-cap40", "coevo-judge-big-t30-cap50",
-              "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge")
+              "coevo-judge-cap-lr4", "coevo-judge-both", "rft-confjudge", "rft-bigconf")
 
 
 def _sampler() -> list[str]:

@@ -258,6 +258,13 @@ class ScoreConfig(_Section):
             raise ValueError(f"unknown reward model {v!r}: use {', '.join(REWARD_MODEL_NAMES)} or a dotted path "
                              "'pkg.module:Class'")
         return v
+    confidence_model: str | None = Field(
+        None, exclude_if=lambda v: v is None,  # left out of to_dict at its default: older configs hash as they did
+        description="reward_model=confidence: the model whose confidence scores the steps, an HF name or a local "
+                    "path with its own tokenizer, fixed for the whole run (it never trains), in score and in "
+                    "evaluate's best-of-N; null: the policy that sampled the round. A judge that did not write the "
+                    "answers: a larger model fine-tuned on the same demonstrations ranks unsound right answers below "
+                    "sound ones where the sampler cannot (docs/prm-without-checker.md).")
     implicit_beta: float = Field(0.05, gt=0.0, description="beta of the implicit PRM (PRIME's value).")
     mc_rollouts: int = Field(
         0, ge=0, description="k completions per step prefix, verified (Math-Shepherd); 0 = no Monte Carlo labels.")
@@ -768,6 +775,10 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"score.reward_model={self.score.reward_model!r} needs a reward model: set train_reward.enabled=true"
             )
+        if self.score.confidence_model is not None and self.score.reward_model != "confidence":
+            raise ValueError(f"score.confidence_model names the model whose confidence scores the steps; "
+                             f"score.reward_model={self.score.reward_model!r} does not read it: set "
+                             "score.reward_model=confidence, or score.confidence_model=null")
         if self.score.reward_model == "orm" and not self.train_reward.orm:
             raise ValueError("score.reward_model='orm' needs an ORM: set train_reward.orm=true")
         if self.score.reward_model == "env" and self.domain.name in DOMAINS:
@@ -889,12 +900,14 @@ class ExperimentConfig(_Section):
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model
-        (policy.model, train_reward.model) that is neither a local folder nor in the Hugging Face cache while the
+        (policy.model, train_reward.model, score.confidence_model) that is neither a local folder nor in the Hugging Face cache while the
         hub is off (HF_HUB_OFFLINE), or a data file the domain names that does not exist. Load-time validation
         cannot say this (the same config may start on another machine), so the CLI and the flows call it before any
         stage runs; `model=False` once round 0 has taken the model in (the store then names its files)."""
         problems = [p for p in (_model_problem("policy.model", self.policy.model, self.domain.name) if model else None,
                                 _model_problem("train_reward.model", self.train_reward.model, self.domain.name),
+                                _model_problem("score.confidence_model", self.score.confidence_model,
+                                               self.domain.name),
                                 *_data_problems(self.domain.name, self.domain.options)) if p]
         if problems:
             raise ConfigError("this experiment cannot start here:\n  " + "\n  ".join(problems))

@@ -255,6 +255,18 @@ def reward_scores(spec: StageSpec, name: str, uri: str | None, model_id: str | N
     return score_rows(rm, model_id, trajs, steps, episodes)
 
 
+def confidence_judge(cfg: ExperimentConfig, policy: dict[str, Any]) -> tuple[str, str]:
+    """(uri, model id) of the model whose confidence scores steps under score.reward_model=confidence:
+    score.confidence_model where set (a local folder by its absolute path, as the stage may run elsewhere; a hub
+    name as given; either is its own id), else `policy`, the `models` row of the policy that sampled."""
+    name = cfg.score.confidence_model
+    if name is None:
+        return policy["uri"], policy["model_id"]
+    path = Path(name).expanduser()
+    uri = str(path.resolve()) if path.is_dir() else name
+    return uri, uri
+
+
 def reward_model_of(spec: StageSpec, name: str, uri: str | None, reference_uri: str | None = None,
                     max_length: int | None = None):
     """The config's reward model `name` at `uri`, reading prompts as the policy renders them."""

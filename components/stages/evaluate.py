@@ -9,8 +9,9 @@ from typing import Any
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.envs.rollout import episode_steps, is_agent
-from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
-                                    merged_counts, reward_model_of, reward_scores, steps_by_trajectory, write)
+from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, confidence_judge,
+                                    domain_of, log, merged_counts, reward_model_of, reward_scores, steps_by_trajectory,
+                                    write)
 
 ROLES = ("prm", "orm", "implicit", "confidence")
 
@@ -26,7 +27,7 @@ class Inputs:
     implicit_uri: str | None = None  # score.reward_model=implicit: this round's policy against round 0's
     implicit_model_id: str | None = None
     reference_uri: str | None = None
-    confidence_uri: str | None = None  # score.reward_model=confidence: this round's policy scores its own samples
+    confidence_uri: str | None = None  # score.reward_model=confidence: this round's policy (or score.confidence_model)
     confidence_model_id: str | None = None
 
 
@@ -45,8 +46,8 @@ def plan(p: Planner) -> Inputs:
     if cfg.score.reward_model == "implicit" and p.round > 0:
         inputs.implicit_uri, inputs.implicit_model_id = policy["uri"], policy["model_id"]
         inputs.reference_uri = p.model(0)["uri"]
-    if cfg.score.reward_model == "confidence":  # round 0 too: the policy needs no reference
-        inputs.confidence_uri, inputs.confidence_model_id = policy["uri"], policy["model_id"]
+    if cfg.score.reward_model == "confidence":  # round 0 too: the policy (or score.confidence_model) scores itself
+        inputs.confidence_uri, inputs.confidence_model_id = confidence_judge(cfg, policy)
     return inputs
 
 

@@ -12,8 +12,9 @@ from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
 from components.rewards import REWARD_MODELS, TRAINED
 from components.seeding import derive_seed
-from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, domain_of, log,
-                                    merged_counts, problems_by_id, reward_model_of, reward_scores, reward_steps, write)
+from components.stages.base import (Planner, Stage, agent_sampler, backend_metrics, backend_of, confidence_judge,
+                                    domain_of, log, merged_counts, problems_by_id, reward_model_of, reward_scores,
+                                    reward_steps, write)
 
 
 @dataclass
@@ -39,8 +40,8 @@ def plan(p: Planner) -> Inputs:
         if p.round > 1:  # round 1's policy is the reference itself: a log-ratio of 0 everywhere
             inputs = Inputs(policy["uri"], policy["model_id"], rm, policy["uri"], policy["model_id"],
                             p.model(0)["uri"])
-    elif rm == "confidence":  # the sampler itself scores its steps, round 1 too
-        inputs = Inputs(policy["uri"], policy["model_id"], rm, policy["uri"], policy["model_id"])
+    elif rm == "confidence":  # the sampler (or score.confidence_model) scores the steps, round 1 too
+        inputs = Inputs(policy["uri"], policy["model_id"], rm, *confidence_judge(cfg, policy))
     elif rm in TRAINED:
         trained = p.optional_model(p.round - 1, rm)
         if trained:  # round 1 has no earlier reward model: it is scored by Monte Carlo labels and outcome only
