@@ -13,7 +13,7 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
   reported against every rft arm;
 - any
   `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
-  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]` (with `--arms`): that
+  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]` (with `--arms`): that
   rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
   (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`) sampled at
   temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations beside the policy gradient at
@@ -28,7 +28,8 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
   classifier. After a judge arm, the number S is the most the judge may leave out of a round's right answers
   (`filter.judge_max_drop`, default 0.3 for a PRM), not a weight. `-confjudge` is a judge too: the sampler's
   confidence (`score.reward_model: confidence`, no rollouts, no training) leaves out right answers whose least likely
-  token had p < 0.3, at most half of a round's.
+  token had p < 0.3, at most half of a round's; `-bigconfjudge` another model's confidence (`--judge-model`, as
+  `score.confidence_model`: one that did not write the answers), below p = 0.005.
 
 `--tiny HIDDEN LAYERS HEADS WIDTH` gives every arm a policy of that size instead of micro's 128x2 (its rft arm
 bootstraps it), and `--set KEY=VALUE` adds an override to every arm, for example rft's own learning rate.
@@ -94,8 +95,13 @@ SHAPING |= {"confjudge": ["score.reward_model=confidence", "filter.min_step_scor
 # `confjudgehi`: the same at p < 0.5, as rft's confidence judge in prm_without_checker.py: it catches more unsound
 # right answers and drops more sound ones.
 SHAPING |= {"confjudgehi": [*SHAPING["confjudge"][:1], "filter.min_step_score=0.5", "filter.judge_max_drop=0.5"]}
+# `bigconfjudge`: another model's confidence judges (score.confidence_model, `--judge-model`): one that did not write
+# the answers, as prm_without_checker.py's rft-bigconf, at its threshold (p < 0.005), at most half of a round's.
+SHAPING |= {"bigconfjudge": [*SHAPING["confjudge"][:1], "score.confidence_model={judge_model}",
+                             "filter.min_step_score=0.005", "filter.judge_max_drop=0.5"]}
 # A judge arm's number is the most it may leave out of a round's right answers (filter.judge_max_drop), not a weight.
-NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge", "confjudge", "confjudgehi"], "filter.judge_max_drop")
+NUMBER = dict.fromkeys(["prmjudge", "prmljudge", "oraclejudge", "confjudge", "confjudgehi", "bigconfjudge"],
+                       "filter.judge_max_drop")
 # `prml...`: the same three with the PRM arith-coevo.yaml trains instead of the classifier: the likelihood head (a
 # step scores by its least likely token under the PRM's own LM head), kept a language model on the demonstrations.
 PRML = [*PRM, "train_reward.head=likelihood", "train_reward.lm_weight=1", "train_reward.demos=true"]
@@ -112,14 +118,14 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
                  r"(?P<ptx>-ptx(?P<weight>[0-9.]+)?)?(?:-pb(?P<ptx_batch>[0-9]+))?"
                  r"(?P<sil>-sil(?P<replayed>all)?)?(?P<checked>-checked|-checkjudge)?"
                  r"(?:-(?P<credit>implicit|prmmin|prmjudge|prmlmin|prmljudge|prml|prm|oraclemin|oraclejudge|oracle"
-                 r"|confjudgehi|confjudge)"
+                 r"|confjudgehi|confjudge|bigconfjudge)"
                  r"(?P<shaping>[0-9.]+)?)?")
 
 
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
     `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
-    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]`: the rate,
+    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]`: the rate,
     decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round
     from the L hardest learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
     demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
@@ -129,7 +135,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     unsound_reward=outcome), and step credit, or a trained PRM's lowest step score in the reward (`-prmmin`), either
     at weight S (default 0.5), or the same from arith's exact step labels (`-oracle`, `-oraclemin`), or either judging
     which right answers self-imitation trains on, no shaping (`-prmjudge`, `-oraclejudge`: filter.min_step_score),
-    as the sampler's confidence does (`-confjudge`: a least likely token below p = 0.3; `-confjudgehi`: 0.5);
+    as the sampler's confidence does (`-confjudge`: a least likely token below p = 0.3; `-confjudgehi`: 0.5), or
+    another model's (`-bigconfjudge`: `--judge-model`, below p = 0.005);
     `prml` for `prm`: the PRM's likelihood head.
 
     >>> arm_overrides("grpo-lr1e-4-cosine")
@@ -174,11 +181,13 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
     ['score.reward_model=confidence', 'filter.min_step_score=0.3', 'filter.judge_max_drop=0.5']
     >>> arm_overrides("grpo-lr1e-4-ptx-sil-confjudgehi")[1][-2:]
     ['filter.min_step_score=0.5', 'filter.judge_max_drop=0.5']
+    >>> arm_overrides("grpo-lr1e-4-ptx-sil-bigconfjudge")[1][-3:]
+    ['score.confidence_model={judge_model}', 'filter.min_step_score=0.005', 'filter.judge_max_drop=0.5']
     >>> arm_overrides("rft-lr1e-5")
     ('configs/micro.yaml', ['train_policy.learning_rate=1e-5'])
     >>> arm_overrides("grpo-fast")
     Traceback (most recent call last):
-    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]
+    argparse.ArgumentTypeError: unknown arm 'grpo-fast': choose rft, grpo, grpo-lr5e-4-wide, rft-lr<rate> or grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]
     """
     if arm in ARMS:
         return ARMS[arm]
@@ -189,7 +198,7 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
                                          "[-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min"
-                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]][<S>]")
+                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),
@@ -332,6 +341,8 @@ def main() -> None:
                     help="an override for every arm (repeatable)")
     ap.add_argument("--heldout", type=int, default=0, metavar="N",
                     help=f"evaluate every round's policy again on N level-{HARDEST} problems no run saw")
+    ap.add_argument("--judge-model", default=None, metavar="PATH",
+                    help="the model whose confidence judges a -bigconfjudge arm (score.confidence_model)")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: report the arms' committed rounds (a second call without it only reports "
                          "too, but starts each run's server)")
@@ -349,6 +360,10 @@ def main() -> None:
         base = [f"workdir={args.workdir}", f"seed={seed}", *size, *args.overrides]
         for arm in ["rft", *[a for a in args.arms if a != "rft"]]:
             config, extra = arm_overrides(arm)
+            if any("{judge_model}" in o for o in extra):
+                if args.judge_model is None:
+                    sys.exit(f"{arm} is judged by another model's confidence: name it with --judge-model PATH")
+                extra = [o.replace("{judge_model}", args.judge_model) for o in extra]
             exp = f"bench-{arm}-s{seed}"
             rounds = args.rounds if arm.startswith("rft") else args.grpo_rounds or args.rounds
             if args.report_only:

@@ -1,6 +1,7 @@
 """The reward models that need no training, through the real flow on configs/micro.yaml (recipe rft): the
 implicit PRM (`score.reward_model: implicit`), 2 rounds, with the policy/round-0 log-ratio scoring steps, ranking
-the filter and best-of-N; and the sampler's confidence as the filter's judge and best-of-N's ranker, 1 round.
+the filter and best-of-N; and the sampler's confidence as the filter's judge and best-of-N's ranker, 1 round,
+and another model's in its place (`score.confidence_model`), 1 round.
 
     .venv/bin/python -m pytest tests/integration/test_implicit_prm.py -q
 """
@@ -159,3 +160,52 @@ def test_confidence_best_of_n_picks_each_problems_most_confident_sample(confiden
     assert sorted(got) == [0, 1]
     for rnd, ok in picked.items():
         assert got[rnd] == pytest.approx(sum(ok) / len(ok))
+
+
+@pytest.fixture(scope="module")
+def fixed_judge_run(prefect_server, micro_workdir, tmp_path_factory):
+    """The confidence run with another model as the judge (score.confidence_model): micro's round-1 policy, which
+    did not sample this run's round 1 (micro's round-0 policy did)."""
+    from flows.evolution import self_evolution
+
+    judge = Store(micro_workdir.path / "store").committed_model("micro", 1, "policy")["uri"]
+    config = REPO / "configs" / "micro.yaml"
+    overrides = [f"workdir={tmp_path_factory.mktemp('fixed-judge')}", "experiment=micro-fixed-judge", "rounds=1",
+                 *micro_workdir.start_from_round0(), "filter.check_steps=false", "score.reward_model=confidence",
+                 f"score.confidence_model={judge}", "filter.min_step_score=0.5", "evaluate.best_of_n=[4]", *SHORT_SFT]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg), judge
+
+
+def test_a_fixed_model_judges_in_place_of_the_sampler(fixed_judge_run):
+    """score.confidence_model: the named model, not the sampler, scores every step in score (the filter's judge)
+    and in evaluate (best-of-N), each row naming it; its scores are its own confidence, recomputed here, and not
+    the sampler's."""
+    from components.domains import get_domain
+    from components.rewards import load_reward_model
+    from components.stages.base import prompt_format_of
+
+    cfg, store, judge = fixed_judge_run
+    sampler = store.committed_model(cfg.experiment, 0, "policy")["uri"]
+    by_round = dict(store.query("""
+        SELECT t.round || '/' || t.purpose, list(DISTINCT s.model_id)
+        FROM scores s JOIN trajectories t USING (trajectory_id) WHERE t.experiment_id = ? AND s.scorer = 'confidence' GROUP BY ALL""", [cfg.experiment])[1])
+    assert by_round == {"0/eval": [judge], "1/eval": [judge], "1/train": [judge]}
+    rows = store.rows("""
+        SELECT t.trajectory_id, t.prompt, t.completion, s.value AS weakest, sel.reason,
+               list(st.text ORDER BY st.step_index) AS steps
+        FROM trajectories t JOIN verifications v USING (trajectory_id)
+        JOIN scores s ON s.trajectory_id = t.trajectory_id AND s.scorer = 'confidence' AND s.aggregate = 'min'
+        JOIN selections sel ON sel.trajectory_id = t.trajectory_id AND sel.purpose = 'policy_sft'
+        JOIN steps st ON st.trajectory_id = t.trajectory_id
+        WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' AND v.correct
+        GROUP BY ALL ORDER BY t.trajectory_id LIMIT 24""", [cfg.experiment])
+    assert rows
+    args = [r["prompt"] for r in rows], [r["completion"] for r in rows], [r["steps"] for r in rows]
+    kw = dict(separator=get_domain(cfg.domain.name).step_separator, prompt_format=prompt_format_of(cfg))
+    own = [min(s) for s in load_reward_model("confidence", judge, **kw).score(*args)]
+    theirs = [min(s) for s in load_reward_model("confidence", sampler, **kw).score(*args)]
+    assert [r["weakest"] for r in rows] == pytest.approx(own, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(own, theirs)) > 1e-3, "the sampler's confidence would score alike"
+    assert all(r["reason"].startswith("confidence: weakest step") for r in rows if r["weakest"] < 0.5)

@@ -132,6 +132,8 @@ def test_incompatible_settings_say_what_to_change():
     ({"filter": {"min_step_score": 0.5, "judge_max_drop": 1.0}}, "filter.judge_max_drop: Input should be less than 1"),
     ({"filter": {"min_step_score": 0.5}}, "filter.min_step_score=0.5 drops right answers by their weakest step, "
                                          "and score.reward_model=none scores no steps"),
+    ({"score": {"confidence_model": "judge/model"}}, "score.reward_model='none' does not read it: set "
+                                                    "score.reward_model=confidence"),
     # MCTS (issue 30): each refusal names the setting.
     ({"generate": {"mcts": {"expansions": 0}}}, "generate.mcts.expansions: Input should be greater than or equal to 1"),
     ({"generate": {"mcts": {"simulations": 0}}}, "generate.mcts.simulations: Input should be greater than or equal"),

@@ -47,6 +47,14 @@ def test_the_reward_models_own_backbone_is_checked_as_the_policy_is():
         cfg.check_startable(model=False)
 
 
+def test_the_confidence_judge_is_checked_as_the_policy_is():
+    """score.confidence_model is read in every round (it scores each round's steps), as train_reward.model is."""
+    cfg = load_config(REPO / "configs" / "arith.yaml", ["score.reward_model=confidence",
+                                                         "score.confidence_model=./no/judge"])
+    with pytest.raises(ConfigError, match=r"score.confidence_model: no model folder './no/judge'"):
+        cfg.check_startable(model=False)
+
+
 def test_missing_data_files_are_named(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     cfg = load_config(REPO / "configs" / "gsm8k.yaml", [f"domain.options.train_path={tmp_path / 'no.jsonl'}"])
