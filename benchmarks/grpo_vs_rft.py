@@ -13,8 +13,8 @@ run's round-0 policy as it is (`bootstrap.steps=0`), so all arms of a seed start
   reported against every rft arm;
 - any
   `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
-  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]` (with `--arms`): that
-  rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
+  [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]`
+  (with `--arms`): that rate, constant or decayed, N problems a level, sampling only the L hardest learnable levels
   (`curriculum.max_levels`) in groups of G, K passes over each round's rollouts (`num_iterations`) sampled at
   temperature T (grpo's default 1.0; rft samples at 0.8), the round-0 demonstrations beside the policy gradient at
   weight W (PPO-ptx, default 1), B of them a forward pass, half of those the round's own right answers (`-sil`) or
@@ -125,10 +125,10 @@ ARM = re.compile(r"grpo-lr(?P<lr>[0-9.]+(?:e-?[0-9]+)?)(?P<cosine>-cosine)?(?:-p
 def arm_overrides(arm: str) -> tuple[str, list[str]]:
     """An arm's config and overrides: a named arm, `rft-lr<rate>` (rft's SFT at that rate), or
     `grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]][-pb<B>][-sil[all]][-checked|-checkjudge]
-    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]`: the rate,
-    decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level a round
-    from the L hardest learnable levels in groups of G, K passes over its rollouts sampled at temperature T, the round-0
-    demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
+    [-implicit|-prm[l]|-prm[l]min|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]`:
+    the rate, decayed to 0 over each round's steps as rft's SFT rounds end (docs/grpo.md, "Why"), N problems a level
+    a round from the L hardest learnable levels in groups of G, K passes over its rollouts sampled at temperature T,
+    the round-0 demonstrations' NLL at weight W (default 1) beside the policy gradient (PPO-ptx), B examples a ptx batch
     (`ptx_batch_size`), half of them the round's own right answers (`-sil`, self-imitation: ptx_pool right_answers) or
     every round's (`-silall`: all_right_answers), rft's step checker on the right answers (filter.check_steps: a right
     answer whose steps fail it earns 0, `-checked`; or only leaves self-imitation, `-checkjudge`:
@@ -198,7 +198,8 @@ def arm_overrides(arm: str) -> tuple[str, list[str]]:
         raise argparse.ArgumentTypeError(f"unknown arm {arm!r}: choose {', '.join(ARMS)}, rft-lr<rate> or "
                                          "grpo-lr<rate>[-cosine][-p<N>][-top<L>][-g<G>][-it<K>][-t<T>][-ptx[<W>]]"
                                          "[-pb<B>][-sil[all]][-checked|-checkjudge][-implicit|-prm[l]|-prm[l]min"
-                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]|-bigconfjudge][<S>]")
+                                         "|-prm[l]judge|-oracle|-oraclemin|-oraclejudge|-confjudge[hi]"
+                                         "|-bigconfjudge][<S>]")
     return "configs/micro-grpo.yaml", [f"train_policy.grpo.learning_rate={m['lr']}",
                                        *(["train_policy.grpo.lr_scheduler=cosine"] if m["cosine"] else []),
                                        *(f"{key}={m[group]}" for group, key in SETTINGS.items() if m[group]),

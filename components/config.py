@@ -900,10 +900,10 @@ class ExperimentConfig(_Section):
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model
-        (policy.model, train_reward.model, score.confidence_model) that is neither a local folder nor in the Hugging Face cache while the
-        hub is off (HF_HUB_OFFLINE), or a data file the domain names that does not exist. Load-time validation
-        cannot say this (the same config may start on another machine), so the CLI and the flows call it before any
-        stage runs; `model=False` once round 0 has taken the model in (the store then names its files)."""
+        (policy.model, train_reward.model, score.confidence_model) that is neither a local folder nor in the Hugging
+        Face cache while the hub is off (HF_HUB_OFFLINE), or a data file the domain names that does not exist. Load-time
+        validation cannot say this (the same config may start on another machine), so the CLI and the flows call it
+        before any stage runs; `model=False` once round 0 has taken the model in (the store then names its files)."""
         problems = [p for p in (_model_problem("policy.model", self.policy.model, self.domain.name) if model else None,
                                 _model_problem("train_reward.model", self.train_reward.model, self.domain.name),
                                 _model_problem("score.confidence_model", self.score.confidence_model,
