@@ -32,6 +32,13 @@ def resolve_checkpoint(name_or_path: str) -> Path:
     return path
 
 
+def model_uri(name_or_path: str) -> str:
+    """How a run names a model to stages that may run elsewhere: a local folder by its absolute path, a hub name
+    as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.is_dir() else name_or_path
+
+
 def check_checkpoint(path: Path, name: str | None = None) -> None:
     """Raise naming the model and the missing part: config.json, weights, or a tokenizer."""
     what = f"policy.model {name or str(path)!r} ({path})" if name and name != str(path) else f"model folder {path}"

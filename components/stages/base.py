@@ -259,11 +259,11 @@ def confidence_judge(cfg: ExperimentConfig, policy: dict[str, Any]) -> tuple[str
     """(uri, model id) of the model whose confidence scores steps under score.reward_model=confidence:
     score.confidence_model where set (a local folder by its absolute path, as the stage may run elsewhere; a hub
     name as given; either is its own id), else `policy`, the `models` row of the policy that sampled."""
-    name = cfg.score.confidence_model
-    if name is None:
+    from components.models.checkpoint import model_uri
+
+    if cfg.score.confidence_model is None:
         return policy["uri"], policy["model_id"]
-    path = Path(name).expanduser()
-    uri = str(path.resolve()) if path.is_dir() else name
+    uri = model_uri(cfg.score.confidence_model)
     return uri, uri
 
 
@@ -296,11 +296,9 @@ def model_row(spec: StageSpec, role: str, model_dir: Path, artifact: str | None,
 def given_model_row(spec: StageSpec, name_or_path: str) -> dict[str, Any]:
     """Round 0's `models` row for `policy.model` taken as it is: a local folder by its absolute path, a hub
     name as given; the sha256 is of the files either way (a hub name's cached snapshot)."""
-    from components.models.checkpoint import resolve_checkpoint
+    from components.models.checkpoint import model_uri, resolve_checkpoint
 
-    path = resolve_checkpoint(name_or_path)
-    uri = str(path.resolve()) if Path(name_or_path).expanduser().is_dir() else name_or_path
-    return model_row(spec, "policy", path, None, None, 0, uri=uri)
+    return model_row(spec, "policy", resolve_checkpoint(name_or_path), None, None, 0, uri=model_uri(name_or_path))
 
 
 def model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: int, use: str | None = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from components.config import ConfigError, load_config_dict
-from components.models.checkpoint import check_checkpoint, resolve_checkpoint
+from components.models.checkpoint import check_checkpoint, model_uri, resolve_checkpoint
 from tests.conftest import REPO, run_coevo
 
 
@@ -41,6 +41,13 @@ def test_a_hub_name_must_be_in_the_local_cache(tmp_path, monkeypatch):
         resolve_checkpoint("Qwen/Qwen2.5-0.5B-Instruct")
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         resolve_checkpoint(str(tmp_path / "missing"))
+
+
+def test_a_model_is_named_to_stages_by_its_absolute_folder_or_its_hub_name(tmp_path, monkeypatch):
+    d = _folder(tmp_path, "config.json")
+    monkeypatch.chdir(tmp_path)
+    assert model_uri("m") == model_uri("./m/") == str(d.resolve())  # a relative folder, as a stage elsewhere reads it
+    assert model_uri("org/name") == "org/name"  # no such folder here: a hub name, as given
 
 
 def test_the_cli_refuses_a_model_folder_without_a_tokenizer(tmp_path):
