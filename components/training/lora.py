@@ -118,8 +118,9 @@ def save_lora(peft_model: Any, tok: Any, out_dir: str | Path, params: LoraParams
     if params.merge:
         peft_model.merge_and_unload().save_pretrained(out)
     else:
-        local = Path(base).expanduser()
-        peft_model.peft_config["default"].base_model_name_or_path = str(local.resolve()) if local.exists() else base
+        from components.models.checkpoint import model_uri
+
+        peft_model.peft_config["default"].base_model_name_or_path = model_uri(base)
         with warnings.catch_warnings():  # a base that is itself an adapter folder has no config.json to compare
             warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
             peft_model.save_pretrained(out)
