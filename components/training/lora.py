@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from components.models.checkpoint import model_uri
+
 ADAPTER_CONFIG = "adapter_config.json"
 
 
@@ -118,8 +120,6 @@ def save_lora(peft_model: Any, tok: Any, out_dir: str | Path, params: LoraParams
     if params.merge:
         peft_model.merge_and_unload().save_pretrained(out)
     else:
-        from components.models.checkpoint import model_uri
-
         peft_model.peft_config["default"].base_model_name_or_path = model_uri(base)
         with warnings.catch_warnings():  # a base that is itself an adapter folder has no config.json to compare
             warnings.filterwarnings("ignore", message="Could not find a config file", category=UserWarning)
