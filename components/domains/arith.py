@@ -22,7 +22,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from components.domains.base import Problem
+from components.domains.base import Problem, verify_answers
 
 _EQUATION = re.compile(r"(-?\d+)([+-])(\d+)=(-?\d+)")
 _INTEGER = re.compile(r"-?\d+")
@@ -86,16 +86,7 @@ def verify(completions: list[str], references: list[str]) -> list[float | None]:
     >>> verify(["3+4=7\\n#### 7\\n", "3+4=8\\n#### 8\\n", "garbage"], ["7", "7", "7"])
     [1.0, 0.0, 0.0]
     """
-    if len(completions) != len(references):
-        raise ValueError(f"arith.verify: {len(completions)} completions but {len(references)} references")
-    out: list[float | None] = []
-    for completion, ref in zip(completions, references):
-        if ref is None:
-            out.append(None)
-            continue
-        got = extract_answer(completion)
-        out.append(1.0 if got is not None and int(got) == int(ref) else 0.0)
-    return out
+    return verify_answers("arith", completions, references, extract_answer, lambda got, ref: int(got) == int(ref))
 
 
 @dataclass

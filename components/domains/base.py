@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,6 +41,23 @@ def unique_problems(problems: list[Problem]) -> list[Problem]:
     """Drop repeats (a small level can have fewer distinct problems than asked for), keeping order."""
     seen: set[str] = set()
     return [p for p in problems if not (p.problem_id in seen or seen.add(p.problem_id))]
+
+
+def verify_answers(name: str, completions: list[str], references: list[str | None],
+                   extract: Callable[[str], str | None], equal: Callable[[str, str], bool]) -> list[float | None]:
+    """1.0 where `extract` finds an answer in the completion and it `equal`s the reference, else 0.0; None where the
+    reference is None (the problem has no answer to check). `name` names the domain in the length error.
+
+    >>> verify_answers("d", ["#### 7", "7", "x"], ["7", "7", None], lambda c: c[5:] or None, str.__eq__)
+    [1.0, 0.0, None]
+    """
+    if len(completions) != len(references):
+        raise ValueError(f"{name}.verify: {len(completions)} completions but {len(references)} references")
+    out: list[float | None] = []
+    for completion, ref in zip(completions, references):
+        got = None if ref is None else extract(completion)
+        out.append(None if ref is None else float(got is not None and equal(got, ref)))
+    return out
 
 
 @runtime_checkable

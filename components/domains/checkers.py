@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from components.domains.base import verify_answers
+
 # A minus sign counts only when no digit precedes it, so "16-3" yields 16 and 3, not -3.
 _NUMBER = re.compile(r"(?<!\d)-?(?:\d(?:[\d,]*\d)?(?:\.\d+)?|\.\d+)")
 # Final-answer markers; the last one in the text wins. "A:" only as a word, not inside "DATA:".
@@ -46,15 +48,9 @@ class Checker:
 
     def verify(self, completions: list[str], references: list[str]) -> list[float | None]:
         """1.0 where the extracted answer equals the reference, else 0.0 (never None)."""
-        if len(completions) != len(references):
-            raise ValueError(f"{self.name}.verify: {len(completions)} completions but {len(references)} references")
-        out: list[float | None] = []
-        for completion, ref in zip(completions, references):
-            if ref is None:
-                raise ValueError(f"{self.name}.verify: a reference is None; every problem has an answer")
-            got = self.extract(completion)
-            out.append(1.0 if got is not None and self.equal(got, ref) else 0.0)
-        return out
+        if None in references:
+            raise ValueError(f"{self.name}.verify: a reference is None; every problem has an answer")
+        return verify_answers(self.name, completions, references, self.extract, self.equal)
 
 
 # -- shared extraction helpers ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from components.domains.base import FileProblems, Problem
+from components.domains.base import FileProblems, Problem, verify_answers
 
 MAX_LEVEL = 8  # longer solutions are rare (~0.2% of train) and share the top level
 _ANNOTATION = re.compile(r"<<[^>]*>>")
@@ -95,16 +95,8 @@ def verify(completions: list[str], references: list[str]) -> list[float | None]:
     >>> verify(["so 2+3 = 5\\n#### 5", "#### 5.0000001", "#### 6", "no idea"], ["5", "5", "5", "5"])
     [1.0, 1.0, 0.0, 0.0]
     """
-    if len(completions) != len(references):
-        raise ValueError(f"gsm8k.verify: {len(completions)} completions but {len(references)} references")
-    out: list[float | None] = []
-    for completion, ref in zip(completions, references):
-        if ref is None:
-            out.append(None)
-            continue
-        got = extract_answer(completion)
-        out.append(1.0 if got is not None and abs(float(got) - float(_number(ref))) <= 1e-6 else 0.0)
-    return out
+    return verify_answers("gsm8k", completions, references, extract_answer,
+                          lambda got, ref: abs(float(got) - float(_number(ref))) <= 1e-6)
 
 
 @dataclass

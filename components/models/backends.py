@@ -12,6 +12,7 @@ greedy decoding.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -122,7 +123,25 @@ class PromptEncoder:
         return out
 
 
-class HFBackend:
+class EncodedPrompts(ABC):
+    """`generate` for a backend that samples from token ids: its text prompts are `self.prompts`' ids (hf, vllm)."""
+
+    prompts: PromptEncoder
+
+    @property
+    def truncated_prompts(self) -> int:
+        return self.prompts.truncated_prompts
+
+    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
+                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
+        return self.generate_ids(self.prompts.encode(prompts), n, temperature, top_p, max_new_tokens, seed, stop)
+
+    @abstractmethod
+    def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
+                     max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]: ...
+
+
+class HFBackend(EncodedPrompts):
     """transformers `generate`, batched, for CPU or GPU.
 
     The n copies of every prompt are sorted by prompt length and cut into batches of `batch_size`, so
@@ -154,14 +173,6 @@ class HFBackend:
         self.prompts = PromptEncoder(self.tok, model_name_or_path, prompt_format, max_prompt_length,
                                      max_truncated_fraction, setting, self.model.generation_config.eos_token_id)
         self.batch_size, self.stop, self.progress = batch_size, stop, progress
-
-    @property
-    def truncated_prompts(self) -> int:
-        return self.prompts.truncated_prompts
-
-    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
-        return self.generate_ids(self.prompts.encode(prompts), n, temperature, top_p, max_new_tokens, seed, stop)
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                      max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]:

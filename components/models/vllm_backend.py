@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from components.models.backends import BackendError, PromptEncoder, Sample
+from components.models.backends import BackendError, EncodedPrompts, PromptEncoder, Sample
 from components.seeding import seed_stream
 
 
@@ -38,7 +38,7 @@ def _max_positions(model: str) -> int:
     return int(getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", 0) or 0)
 
 
-class VLLMBackend:
+class VLLMBackend(EncodedPrompts):
     """`batch_size` is vLLM's `max_num_seqs`. On a CPU build `cpu_kv_cache_gib` sets the KV cache (where
     `VLLM_CPU_KVCACHE_SPACE` does not); on a GPU `gpu_memory_utilization` does, and < 0.9 leaves room for a
     reward model in the same job. `engine_kwargs` go to `vllm.LLM`.
@@ -100,14 +100,6 @@ class VLLMBackend:
         finally:
             torch.set_num_threads = set_num_threads  # the job's own settings stay its own
         self.stop = stop
-
-    @property
-    def truncated_prompts(self) -> int:
-        return self.prompts.truncated_prompts
-
-    def generate(self, prompts: list[str], n: int, temperature: float, top_p: float, max_new_tokens: int,
-                 seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
-        return self.generate_ids(self.prompts.encode(prompts), n, temperature, top_p, max_new_tokens, seed, stop)
 
     def generate_ids(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                      max_new_tokens: int, seed: int, stop: list[str] | None = None) -> list[list[Sample]]:
