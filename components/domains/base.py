@@ -55,8 +55,11 @@ def verify_answers(name: str, completions: list[str], references: list[str | Non
         raise ValueError(f"{name}.verify: {len(completions)} completions but {len(references)} references")
     out: list[float | None] = []
     for completion, ref in zip(completions, references):
-        got = None if ref is None else extract(completion)
-        out.append(None if ref is None else float(got is not None and equal(got, ref)))
+        if ref is None:
+            out.append(None)
+            continue
+        got = extract(completion)
+        out.append(1.0 if got is not None and equal(got, ref) else 0.0)
     return out
 
 
