@@ -28,6 +28,7 @@ import json
 import random
 import re
 import secrets
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,33 @@ class CodeEnv(FileProblems):
         params = {"k": rng.randint(*ranges["k"]), "c": rng.randint(1, 40), "m": rng.randint(*ranges["m"])}
         return self.task(level, template, params)
 
+    def hindsight(self, problem: Problem, text: str) -> Problem | None:
+        """The generated task that the answer `text` solves, where it is `problem`'s template with other constants
+        in the template's ranges: the goal the answer reached (hindsight relabeling, Andrychowicz et al. 2017). None
+        for any other answer, a task from a file, or constants outside the ranges.
+
+        >>> env = CodeEnv()
+        >>> p = env.task(4, TASKS[4][3], {"k": 2, "c": 1, "m": 13})
+        >>> q = env.hindsight(p, "```python\\n" + p.meta["solution"].replace("% 13", "% 6") + "\\n```")
+        >>> q.prompt
+        'Write a Python function `f(xs)` that returns the running sums of the list xs, each taken modulo 6.'
+        >>> env.hindsight(p, "```python\\ndef f(xs):\\n    return xs\\n```") is None
+        True
+        """
+        asked = None if self._files else parse_task(problem.prompt)
+        if asked is None:
+            return None
+        level, template, params = asked
+        code = "\n".join(line.rstrip() for line in answer_code(text).splitlines())
+        wrote = _pattern(f"def {template[0]}:\n    {template[2]}").fullmatch(code)
+        if wrote is None:
+            return None
+        params = params | _params(wrote)
+        if any(not lo <= params[k] <= hi for k, (lo, hi) in ranges_of(template).items()):
+            return None
+        relabeled = self.task(level, template, params)
+        return None if relabeled.problem_id == problem.problem_id else relabeled
+
     def task(self, level: int, template: tuple[str, str, str, list[str]], params: dict[str, int]) -> Problem:
         """The task of `template` with `params` (k, c, m): its prompt, and tests whose expectations come from the
         template's reference."""
@@ -344,6 +372,47 @@ class CodeEnv(FileProblems):
                 if not first.startswith(f"{total}/{total} tests passed"):
                     return messages
         return episode(solution)
+
+
+def parse_task(text: str) -> tuple[int, tuple[str, str, str, list[str]], dict[str, int]] | None:
+    """The generated task whose prompt `text` holds: its level, template and parameters (k, c, m, those the template
+    does not use at a default), or None.
+
+    >>> level, template, params = parse_task(CodeEnv().task(4, TASKS[4][4], {"k": 3, "c": 1, "m": 11}).prompt)
+    >>> level, template[1][:32], params
+    (4, 'returns the list of the first n ', {'k': 3, 'c': 1, 'm': 11})
+    """
+    for level, templates in TASKS.items():
+        for template in templates:
+            asked = _pattern(f"Write a Python function `{template[0]}` that {template[1]}.").search(text)
+            if asked is not None:
+                return level, template, {"k": 2, "c": 1, "m": 3} | _params(asked)
+    return None
+
+
+def ranges_of(template: tuple[str, str, str, list[str]]) -> dict[str, tuple[int, int]]:
+    """The ranges `_draw` draws the template's parameters from."""
+    return DEFAULT_RANGES | {"c": (1, 40)} | RANGES.get(template[1], {})
+
+
+def _params(match: re.Match[str]) -> dict[str, int]:
+    """A template's parameters as `_pattern` matched them; an upper bound `hi` is k + c (`task`)."""
+    params = {k: int(v) for k, v in match.groupdict().items()}
+    if "hi" in params:
+        params["c"] = params.pop("hi") - params["k"]
+    return params
+
+
+def _pattern(fmt: str) -> re.Pattern[str]:
+    """A template's format string as a regex: its text literal, each parameter a named group of digits, and a
+    parameter that comes again the same digits."""
+    out, seen = [], set()
+    for literal, name, _, _ in string.Formatter().parse(fmt):
+        out.append(re.escape(literal))
+        if name is not None:
+            out.append(f"(?P={name})" if name in seen else rf"(?P<{name}>\d+)")
+            seen.add(name)
+    return re.compile("".join(out))
 
 
 _INT = re.compile(r"(?<![\w.'\"])\d+(?![\w.'\"])")

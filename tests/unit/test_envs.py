@@ -403,6 +403,46 @@ def test_humaneval_and_mbpp_jsonl_tasks(tmp_path, code_env):
         CodeEnv(tasks=str(path))
 
 
+def test_hindsight_relabels_a_wrong_episode_with_the_task_its_program_solves_and_replays_it(code_env):
+    from components.envs.code import TASKS
+    from components.envs.hindsight import relabel_episodes
+    from components.envs.rollout import episode_batch
+
+    seq = TASKS[4][0]  # a0 = c, a(i+1) = (a(i) * k + 1) % m
+    asked = code_env.task(4, seq, {"k": 5, "c": 19, "m": 13})
+    wrote = code_env.task(4, seq, {"k": 5, "c": 19, "m": 7})  # the loop, with another modulus
+    held = next(p for p in code_env.test_set(4) if "(a(i) * " in p.prompt)  # a held-out task of the template
+    asked2 = code_env.task(4, seq, {"k": 2, "c": 1, "m": 3})
+    assert held.problem_id != asked2.problem_id
+    # Each episode as the policy played it: the asked task's prompt, the turns of another task's reference.
+    played = [(asked, wrote), (asked2, held), (asked, code_env.task(4, TASKS[4][3], {"k": 2, "c": 1, "m": 9}))]
+    records, _ = replay(code_env, [w for _, w in played])
+    for rec, (p, _) in zip(records, played):
+        first = code_env.episode(p).reset()
+        rec.problem, rec.messages[:len(first)] = p, first
+        for turn, m in zip(rec.turns, first):
+            turn.content = m["content"]
+    batch = episode_batch(code_env, records, 3, experiment="e", round=1, purpose="train", policy_model_id="e/p",
+                          seed=0, temperature=1.0, top_p=1.0, max_new_tokens=120)
+    assert [code_env.score(p, rec.messages[-1]["content"]) for rec, (p, _) in zip(records, played)] == [0.0] * 3
+    chats = {t["trajectory_id"]: rec.messages for t, rec in zip(batch.trajectories, records)}
+    got, sources = relabel_episodes(code_env, batch.trajectories, batch.tables["problems"], chats, experiment="e",
+                                    round=1)
+    # Only the first: the second's program is a held-out task, the third's another template.
+    [t] = got.trajectories
+    assert sources == {t["trajectory_id"]: batch.trajectories[0]["trajectory_id"]}
+    assert t["purpose"] == "hindsight" and t["problem_id"] == wrote.problem_id and t["prompt"] == wrote.prompt
+    assert got.rewards[t["trajectory_id"]] == 1.0 and got.tables["problems"][0]["split"] == "train"
+    # The turns are the policy's own; the observations are what the relabeled task's tests say of them.
+    turns = [r for r in got.tables["turns"] if r["trajectory_id"] == t["trajectory_id"]]
+    assert [r["content"] for r in turns if r["role"] == "assistant"] == [
+        m["content"] for m in records[0].messages if m["role"] == "assistant"]
+    total = len(wrote.meta["tests"])
+    assert [r["content"].splitlines()[0] for r in turns if r["role"] == "tool"][-1] == f"{total}/{total} tests passed"
+    assert code_env.hindsight(asked, "no code at all") is None
+    assert code_env.hindsight(asked, records[0].messages[-1]["content"].replace("% 7", "% 99")) is None  # out of range
+
+
 # -- adapters ----------------------------------------------------------------------------------
 def test_a_single_turn_domain_keeps_its_verifier():
     env = get_env("arith", max_level=2)
