@@ -343,6 +343,13 @@ class FilterConfig(_Section):
         description="recipe grpo: train on at most this many groups whose rewards differ (a seeded sample).")
     dedup: bool = Field(True, description="Drop repeated completions of the same problem.")
     max_per_problem: int = Field(4, ge=1)
+    hindsight: bool = Field(
+        False, exclude_if=lambda v: not v,
+        description="Relabel wrong episodes in hindsight: where the environment can name the task a wrong answer "
+                    "solved (code: the asked template with the constants the program wrote, in the template's "
+                    "ranges, never a held-out task), the episode's turns are replayed on that task and, when right "
+                    "there, join the round's right answers as a trajectory of purpose 'hindsight' "
+                    "(components/envs/hindsight.py). Environments with a `hindsight` method; not under recipe grpo.")
     @property
     def judges_in_round(self) -> bool:
         """This round's PRM judges the round's right answers (filter.judge round or round_and_previous)."""
@@ -802,6 +809,10 @@ class ExperimentConfig(_Section):
                              f"step, and score.reward_model={rm} scores no steps: set score.reward_model=prm (with "
                              "train_reward.enabled), implicit, confidence, or a step reward model by dotted path"
                              + ("" if self.train_policy.method == "grpo" else "; or filter.judge=round (recipe coevo)"))
+        if self.filter.hindsight and self.train_policy.method != "sft":
+            raise ValueError(f"filter.hindsight adds relabeled episodes to what SFT trains on, and "
+                             f"train_policy.method={self.train_policy.method!r} does not train on them: use recipe "
+                             "rft or coevo with train_policy.method=sft, or set filter.hindsight=false")
         if self.filter.judge_max_drop is not None and self.filter.min_step_score is None:
             raise ValueError("filter.judge_max_drop caps the share of right answers filter.min_step_score drops: "
                              "set filter.min_step_score too (e.g. 0.5)")
@@ -873,10 +884,18 @@ class ExperimentConfig(_Section):
         """An environment (calculator, sql, code) runs episodes in chat turns; what the agent loop does not do yet
         is refused here, naming the setting, rather than failing a stage later."""
         from components.envs import ENVS
+        from components.instantiate import locate
 
         if self.domain.name not in ENVS:
+            if self.filter.hindsight:
+                raise ValueError(f"filter.hindsight relabels an environment's episodes (code), and domain.name="
+                                 f"{self.domain.name!r} is not one: set filter.hindsight=false")
             return
         where = f"domain.name={self.domain.name!r} is an agent environment"
+        if self.filter.hindsight and not callable(getattr(locate(ENVS[self.domain.name]), "hindsight", None)):
+            raise ValueError(f"filter.hindsight relabels wrong episodes with the task they solved, and "
+                             f"{self.domain.name!r} cannot name one: set filter.hindsight=false (the code "
+                             "environment relabels its generated tasks)")
         if self.policy.prompt_format != "chat" or self.policy.model is None:
             raise ValueError(f"{where}: its turns are chat messages with tool calls; set policy.prompt_format=chat and "
                              "policy.model to a model with a chat template (`coevo build-model --domain "

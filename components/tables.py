@@ -136,7 +136,7 @@ TABLES: dict[str, Table] = {t.name: t for t in [
         col("trajectory_id", STR, null=False),
         col("experiment_id", STR, null=False),
         col("round", INT, null=False),
-        col("purpose", STR, null=False),  # train (generate stage) | eval (evaluate stage)
+        col("purpose", STR, null=False),  # train (generate) | eval (evaluate) | demo (bootstrap) | hindsight (filter)
         col("problem_id", STR, null=False),
         col("level", INT),
         col("policy_model_id", STR),

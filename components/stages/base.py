@@ -121,6 +121,7 @@ def prompt_format_of(cfg: ExperimentConfig):
 def backend_of(spec: StageSpec, model_uri: str):
     """The config's generation backend on `model_uri`; the real-model settings (chat prompts, dtype, prompt
     length) reach it where they differ from the defaults, which every backend takes."""
+    from components.envs.rollout import is_agent
     from components.models.backends import BACKENDS, get_backend
 
     cfg = spec.cfg()
@@ -132,6 +133,8 @@ def backend_of(spec: StageSpec, model_uri: str):
         real["dtype"] = pol.dtype
     if g.max_prompt_length is not None:
         real |= {"max_prompt_length": g.max_prompt_length, "max_truncated_fraction": pol.max_truncated_fraction}
+    if g.backend not in BACKENDS and set(real) == {"prompt_format"} and is_agent(domain_of(spec)):
+        real = {}  # an environment's chats are rendered by the agent loop (ChatEncoder), not by the backend
     if real and g.backend not in BACKENDS:
         raise ValueError(f"policy.prompt_format/dtype and generate.max_prompt_length reach the built-in backends "
                          f"({', '.join(sorted(BACKENDS))}), not {g.backend!r}")
@@ -153,14 +156,18 @@ def agent_sampler(backend: Any, model_uri: str, *, temperature: float, top_p: fl
 
 def sft_examples(spec: StageSpec, trajectories: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What SFT trains on for each trajectory: {"prompt", "completion"}; for an environment's episode, its chat
-    {"messages"} from the stored turns (round 0's from `bootstrap`, later rounds' from `generate`)."""
+    {"messages"} from the stored turns (round 0's from `bootstrap`, later rounds' from `generate`, and from `filter`
+    where it relabels episodes in hindsight)."""
     from components.envs.rollout import conversations, is_agent
 
     if not is_agent(domain_of(spec)):
         return [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajectories]
     chats: dict[str, list[dict[str, Any]]] = {}
+    hindsight = spec.cfg().filter.hindsight
     for r in sorted({t["round"] for t in trajectories}):
         chats |= conversations(spec.rows("bootstrap" if r == 0 else "generate", "turns", round=r))
+        if r > 0 and hindsight:  # the filter's relabeled episodes (filter.hindsight)
+            chats |= conversations(spec.rows("filter", "turns", round=r))
     missing = [t["trajectory_id"] for t in trajectories if t["trajectory_id"] not in chats]
     if missing:
         raise RuntimeError(f"{spec.stage_run_id}: {len(missing)} selected episodes have no stored turns "
@@ -308,15 +315,16 @@ def model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: in
 
 def selected(spec: StageSpec, round: int, demos_only: bool = False) -> dict[str, dict[str, Any]]:
     """Trajectories selected for policy SFT in `round`. Round 0: the demonstrations `bootstrap` stored, and
-    the verified-correct trajectories `import` stored where the job may read them (unless `demos_only`)."""
+    the verified-correct trajectories `import` stored where the job may read them (unless `demos_only`). Later
+    rounds: what `filter` selected of `generate`'s episodes, and of its own relabeled ones (filter.hindsight)."""
     if round == 0:
-        sources = [("bootstrap", "bootstrap")] + ([("import", "import")] if not demos_only and spec.has("import", 0)
-                                                  else [])
+        sources = [(("bootstrap",), "bootstrap")] + ([(("import",), "import")]
+                                                     if not demos_only and spec.has("import", 0) else [])
     else:
-        sources = [("generate", "filter")]
+        sources = [(("generate", "filter") if spec.cfg().filter.hindsight else ("generate",), "filter")]
     out: dict[str, dict[str, Any]] = {}
     for src_t, src_s in sources:
-        trajs = {t["trajectory_id"]: t for t in spec.rows(src_t, "trajectories", round=round)}
+        trajs = {t["trajectory_id"]: t for stage in src_t for t in spec.rows(stage, "trajectories", round=round)}
         out |= {s["trajectory_id"]: trajs[s["trajectory_id"]] for s in spec.rows(src_s, "selections", round=round)
                 if s["selected"] and s["purpose"] == "policy_sft"}
     return out

@@ -1,7 +1,8 @@
 """`filter`: choose what the policy trains on (the ranker): right answers, deduplicated, ranked by the
 reward model where the round has one, judged step by step (filter.min_step_score, by the previous round's PRM or
-with filter.judge=round this round's), and optionally DPO pairs; under recipe grpo, each rollout's advantage
-and the groups that train."""
+with filter.judge=round this round's), and optionally DPO pairs; with filter.hindsight, wrong episodes relabeled
+with the task they solved, stored as trajectories of their own; under recipe grpo, each rollout's advantage and
+the groups that train."""
 
 from __future__ import annotations
 
@@ -76,8 +77,17 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     # The learned judges (Monte Carlo labels, the step reward model) apart from the checker, to measure them by it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, **opinions)
     rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, **opinions)
-    rows = rft_filter(trajs, correct, scores, experiment=spec.experiment, round=spec.round,
-                      dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
+    hindsight: dict[str, list[dict[str, Any]]] = {}
+    sources: dict[str, str] = {}
+    if f.hindsight:  # wrong episodes, relabeled with the task they solved; they join the round's right answers
+        hindsight, sources = relabeled(spec, domain, trajs, correct)
+        correct = correct | {t: True for t in sources}
+    rows = rft_filter(trajs + hindsight.get("trajectories", []), correct, scores, experiment=spec.experiment,
+                      round=spec.round, dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
+    for r in rows:  # a relabel names its source, and why it was left out where it was
+        if r["trajectory_id"] in sources:
+            why = "" if r["selected"] else f"; {r['reason']}"
+            r["reason"] = f"hindsight: relabeled from {sources[r['trajectory_id']]}{why}"
     n_sel = sum(r["selected"] for r in rows)
     metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
     if threshold is not None and prm_min:
@@ -97,8 +107,11 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         steps_pairs = spec.rows("score", "step_pairs")
         rows += step_pair_selections(steps_pairs, experiment=spec.experiment, round=spec.round)
         metrics["step_dpo_pairs"] = len(steps_pairs)
+    if f.hindsight:
+        n_hs = sum(r["selected"] for r in rows if r["trajectory_id"] in sources)
+        metrics |= {"hindsight_relabeled": len(sources), "hindsight_selected": n_hs}
     # Reward-hacking monitor: what the filter keeps should not drift longer or repetitive round to round.
-    by_id = {t["trajectory_id"]: t for t in trajs}
+    by_id = {t["trajectory_id"]: t for t in trajs + hindsight.get("trajectories", [])}
     kept = [by_id[r["trajectory_id"]] for r in rows if r["selected"] and r["purpose"] == "policy_sft"]
     if kept:
         metrics["selected_mean_tokens"] = sum(t["num_tokens"] for t in kept) / len(kept)
@@ -107,13 +120,29 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         ranked = [scores[t["trajectory_id"]] for t in kept if t["trajectory_id"] in scores]
         if source != "outcome" and ranked:
             metrics["selected_mean_rank_score"] = sum(ranked) / len(ranked)
-    write(out, selections=rows)
-    log("filter", f"selected {n_sel} of {len(trajs)} trajectories for policy_sft, ranked by {source}"
+    write(out, selections=rows, **hindsight)
+    log("filter", f"selected {n_sel} of {len(trajs) + len(sources)} trajectories for policy_sft, ranked by {source}"
+                  + (f"; {len(sources)} wrong episodes relabeled in hindsight, {metrics['hindsight_selected']:.0f} "
+                     "of them selected" if f.hindsight else "")
                   + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else "")
                   + (f"; {metrics['step_dpo_pairs']:.0f} step-level DPO pairs" if "step_dpo_pairs" in metrics else "")
                   + (f"; the judge's threshold {threshold:.3f}, calibrated to drop at most {f.judge_max_drop:g} of the "
                      "right answers" if threshold is not None and f.judge_max_drop is not None else ""))
     return metrics
+
+
+def relabeled(spec: StageSpec, env: Any, trajs: list[dict[str, Any]], correct: dict[str, bool | None],
+              ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
+    """filter.hindsight: the round's wrong answered episodes that are right for the task their answer solved, as
+    the rows of a purpose 'hindsight' trajectory each (`components.envs.hindsight`), and each one's source."""
+    from components.envs.hindsight import relabel_episodes
+    from components.envs.rollout import conversations, verification_rows
+
+    wrong = [t for t in trajs if correct.get(t["trajectory_id"]) is False and t["finish_reason"] == "done"]
+    batch, sources = relabel_episodes(env, wrong, spec.rows("generate", "problems"),
+                                      conversations(spec.rows("generate", "turns")), experiment=spec.experiment,
+                                      round=spec.round)
+    return batch.tables | {"verifications": verification_rows(env, batch, spec.code_version or "dev")}, sources
 
 
 def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, Any]],
@@ -350,4 +379,5 @@ def ranking_scores(scores: list[dict[str, Any]], step_labels: list[dict[str, Any
 
 
 STAGE = Stage(name="filter", section="filter", gpu=False, reads=("generate", "verify", "score", "train_reward"),
-              writes=("selections", "advantages"), inputs=Inputs, plan=plan, run=run)
+              writes=("selections", "advantages", "problems", "trajectories", "steps", "turns", "verifications"),
+              inputs=Inputs, plan=plan, run=run)

@@ -705,3 +705,78 @@ def test_a_sample_of_each_rounds_episodes_lands_in_mlflow_as_traces(agent_run):
         verdict = store.query("SELECT reward, correct FROM verifications WHERE trajectory_id = ?", [tid])[1][0]
         got = {a.name: a.value for a in trace.search_assessments()}
         assert got == {"reward": verdict[0], "correct": verdict[1]}
+
+
+@pytest.fixture(scope="module")
+def hindsight_run(prefect_server, tmp_path_factory):
+    """configs/code.yaml for a round with filter.hindsight, sampled from a coding agent that slips a constant on
+    three answers of four (tests/integration/slips.py); a tiny code stand-in trains on what the filter keeps."""
+    from flows.evolution import self_evolution
+
+    w = tmp_path_factory.mktemp("hindsight")
+    model = w / "standin-code"
+    run_coevo("build-model", str(model), "--domain", "code", "--size", "tiny", "--per-level", "20",
+              "--positions", "768", check=True)
+    config = REPO / "configs" / "code.yaml"
+    overrides = [f"workdir={w}", "experiment=code-hindsight", "rounds=1", f"policy.model={model}", "bootstrap.steps=0",
+                 "bootstrap.levels=[1]", "bootstrap.seed_levels=[]", "bootstrap.problems_per_level=10",
+                 "generate.backend=tests.integration.slips:SlipPolicy", "generate.problems_per_level=6",
+                 "generate.samples_per_problem=2", "train_policy.steps=3", "evaluate.problems_per_level=3",
+                 "domain.options.test_size=6", "filter.hindsight=true"]
+    self_evolution(config_path=str(config), overrides=overrides)
+    cfg = load_config(config, overrides)
+    return cfg, Store.for_config(cfg)
+
+
+def test_hindsight_trains_on_wrong_episodes_relabeled_with_the_task_their_program_solves(hindsight_run):
+    from components.envs.code import CodeEnv, answer_code
+
+    cfg, store = hindsight_run
+    env = CodeEnv(test_size=6)
+    _, wrong = store.query(
+        "SELECT t.trajectory_id, t.level, p.prompt, t.answer FROM trajectories t JOIN problems p USING (problem_id) "
+        "JOIN verifications v USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' "
+        "AND NOT v.correct", [cfg.experiment])
+    # What each wrong answer solved, as the environment names it; a held-out task is no relabel's goal.
+    held_out = {p.prompt for lv in env.levels() for p in env.test_set(lv)}
+    goals = {tid: env.hindsight(_problem(env, q), f"```python\n{a}\n```") for tid, _, q, a in wrong}
+    expected = {tid: g.prompt for tid, g in goals.items() if g is not None and g.prompt not in held_out}
+    assert len(expected) >= 3, (len(wrong), expected)  # the slips are there to relabel
+    _, got = store.query(
+        "SELECT s.reason, t.prompt, t.answer, v.correct, s.selected, t.policy_model_id FROM trajectories t "
+        "JOIN selections s USING (trajectory_id) JOIN verifications v USING (trajectory_id) "
+        "WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'hindsight' AND s.purpose = 'policy_sft'",
+        [cfg.experiment])
+    by_source = {reason.removeprefix("hindsight: relabeled from ").split(";")[0]: row for reason, *row in got}
+    assert sorted(by_source) == sorted(expected)
+    answers = {tid: a for tid, _, _, a in wrong}
+    for source, (prompt, answer, correct, _, policy) in by_source.items():
+        # The relabeled task asks for what the program does: the source's own answer, now right.
+        assert prompt == expected[source] and answer == answers[source] and correct
+        assert policy == f"{cfg.experiment}/policy/r0/a1"
+        assert env.score(_problem(env, prompt), f"```python\n{answer_code(answer)}\n```") == 1.0
+    # Its turns are stored, and the round's policy trained on it (v_lineage), beside the round's right answers.
+    _, lineage = store.query(
+        "SELECT trajectory_purpose, count(*) FROM v_lineage WHERE experiment_id = ? AND trained_round = 1 "
+        "AND use = 'new' GROUP BY ALL", [cfg.experiment])
+    chosen = sum(row[4] for row in got)  # a relabel is deduplicated and capped per task like any right answer
+    assert dict(lineage)["hindsight"] == chosen >= 3
+    tp = json.loads(store.committed_run(cfg.experiment, 1, "train_policy")["metrics_json"])
+    flt = json.loads(store.committed_run(cfg.experiment, 1, "filter")["metrics_json"])
+    assert (flt["hindsight_relabeled"], flt["hindsight_selected"]) == (len(expected), chosen)
+    assert tp["examples"] > chosen
+    # The round's training pass rate counts the sampled episodes only.
+    _, [(rate,)] = store.query("SELECT train_pass_rate FROM v_round_summary WHERE experiment_id = ? AND round = 1",
+                               [cfg.experiment])
+    _, [(n_right, n)] = store.query(
+        "SELECT count(*) FILTER (WHERE v.correct), count(*) FROM verifications v JOIN trajectories t "
+        "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train'", [cfg.experiment])
+    assert rate == pytest.approx(n_right / n) and n_right < n
+
+
+def _problem(env, prompt):
+    """The generated task whose prompt is `prompt`."""
+    from components.envs.code import parse_task
+
+    level, template, params = parse_task(prompt)
+    return env.task(level, template, params)

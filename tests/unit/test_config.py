@@ -214,6 +214,19 @@ def test_missing_file():
         load_config("nope.yaml")
 
 
+def test_hindsight_is_for_an_environment_that_names_the_task_a_wrong_answer_solved_and_for_sft():
+    code = {"experiment": "x", "domain": {"name": "code"}, "policy": {"model": "m", "prompt_format": "chat"}}
+    on = {"filter": {"hindsight": True}}
+    assert load_config_dict(code | on).filter.hindsight
+    assert "hindsight" not in load_config_dict(code).to_dict()["filter"]  # off: stored configs hash as before
+    with pytest.raises(ConfigError, match="filter.hindsight relabels .* and 'sql' cannot name one"):
+        load_config_dict(code | {"domain": {"name": "sql"}} | on)
+    with pytest.raises(ConfigError, match="filter.hindsight relabels an environment's episodes .* domain.name='arith'"):
+        load_config_dict({"experiment": "x"} | on)
+    with pytest.raises(ConfigError, match="train_policy.method='grpo' does not train on them"):
+        load_config_dict(code | on | {"recipe": "grpo", "train_policy": {"method": "grpo"}})
+
+
 def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_settings():
     base = {"experiment": "x", "domain": {"name": "sql"}, "policy": {"model": "m", "prompt_format": "chat"}}
     assert load_config_dict(base).domain.name == "sql"
