@@ -26,11 +26,6 @@ from components.generation import problem_from_row
 PURPOSE = "hindsight"
 
 
-def has_hindsight(env: Any) -> bool:
-    """The environment names the task a wrong answer solved (`hindsight`)."""
-    return callable(getattr(env, "hindsight", None))
-
-
 def replay(env: Any, problem: Any, messages: list[Message]) -> EpisodeRecord:
     """`messages`' assistant turns, in order, as the policy of a fresh episode of `problem`: the environment answers
     each as it answers that problem. An episode the turns do not finish ends as `truncated_context`."""
