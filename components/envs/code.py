@@ -252,9 +252,8 @@ class CodeEnv(FileProblems):
     def _draw(self, rng: random.Random, level: int, fixed: tuple[str, str, str, list[str]] | None = None) -> Problem:
         """A task of `level` with parameters drawn from `rng`: its template drawn too, or `fixed`."""
         template = rng.choice(TASKS[level]) if fixed is None else fixed
-        ranges = DEFAULT_RANGES | RANGES.get(template[1], {})
-        params = {"k": rng.randint(*ranges["k"]), "c": rng.randint(1, 40), "m": rng.randint(*ranges["m"])}
-        return self.task(level, template, params)
+        ranges = ranges_of(template)
+        return self.task(level, template, {name: rng.randint(*ranges[name]) for name in ("k", "c", "m")})
 
     def hindsight(self, problem: Problem, text: str) -> Problem | None:
         """The generated task that the answer `text` solves, where it is `problem`'s template with other constants
@@ -391,7 +390,7 @@ def parse_task(text: str) -> tuple[int, tuple[str, str, str, list[str]], dict[st
 
 
 def ranges_of(template: tuple[str, str, str, list[str]]) -> dict[str, tuple[int, int]]:
-    """The ranges `_draw` draws the template's parameters from."""
+    """The ranges `CodeEnv._draw` draws the template's parameters from: c is 1-40 in every template."""
     return DEFAULT_RANGES | {"c": (1, 40)} | RANGES.get(template[1], {})
 
 

@@ -82,8 +82,9 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     if f.hindsight:  # wrong episodes, relabeled with the task they solved; they join the round's right answers
         hindsight, sources = relabeled(spec, domain, trajs, correct)
         correct = correct | {t: True for t in sources}
-    rows = rft_filter(trajs + hindsight.get("trajectories", []), correct, scores, experiment=spec.experiment,
-                      round=spec.round, dedup=f.dedup, max_per_problem=f.max_per_problem, step_rejects=rejects)
+    considered = trajs + hindsight.get("trajectories", [])
+    rows = rft_filter(considered, correct, scores, experiment=spec.experiment, round=spec.round, dedup=f.dedup,
+                      max_per_problem=f.max_per_problem, step_rejects=rejects)
     for r in rows:  # a relabel names its source, and why it was left out where it was
         if r["trajectory_id"] in sources:
             why = "" if r["selected"] else f"; {r['reason']}"
@@ -111,7 +112,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         n_hs = sum(r["selected"] for r in rows if r["trajectory_id"] in sources)
         metrics |= {"hindsight_relabeled": len(sources), "hindsight_selected": n_hs}
     # Reward-hacking monitor: what the filter keeps should not drift longer or repetitive round to round.
-    by_id = {t["trajectory_id"]: t for t in trajs + hindsight.get("trajectories", [])}
+    by_id = {t["trajectory_id"]: t for t in considered}
     kept = [by_id[r["trajectory_id"]] for r in rows if r["selected"] and r["purpose"] == "policy_sft"]
     if kept:
         metrics["selected_mean_tokens"] = sum(t["num_tokens"] for t in kept) / len(kept)
