@@ -350,6 +350,14 @@ class FilterConfig(_Section):
                     "ranges, never a held-out task), the episode's turns are replayed on that task and, when right "
                     "there, join the round's right answers as a trajectory of purpose 'hindsight' "
                     "(components/envs/hindsight.py). Environments with a `hindsight` method; not under recipe grpo.")
+    max_per_value: int | None = Field(
+        None, ge=1, exclude_if=lambda v: v is None,
+        description="Select at most this many episodes a round whose task asks for one value of one constant of "
+                    "one template (code: the k of `(a(i) * k + 1) % m`): the policy's favourite constant, which its "
+                    "right answers and its hindsight relabels both over-represent, then cannot flood what it "
+                    "trains on, and it learns to copy the asked one. Sampled right answers go before relabels, a "
+                    "problem's first before its second. Environments with a `constants` method; not under grpo.")
+
     @property
     def judges_in_round(self) -> bool:
         """This round's PRM judges the round's right answers (filter.judge round or round_and_previous)."""
@@ -809,10 +817,12 @@ class ExperimentConfig(_Section):
                              f"step, and score.reward_model={rm} scores no steps: set score.reward_model=prm (with "
                              "train_reward.enabled), implicit, confidence, or a step reward model by dotted path"
                              + ("" if self.train_policy.method == "grpo" else "; or filter.judge=round (recipe coevo)"))
-        if self.filter.hindsight and self.train_policy.method != "sft":
-            raise ValueError(f"filter.hindsight adds relabeled episodes to what SFT trains on, and "
-                             f"train_policy.method={self.train_policy.method!r} does not train on them: use recipe "
-                             "rft or coevo with train_policy.method=sft, or set filter.hindsight=false")
+        for setting, what, off in [("hindsight", "adds relabeled episodes to", "false"),
+                                   ("max_per_value", "caps the episodes of", "null")]:
+            if getattr(self.filter, setting) not in (False, None) and self.train_policy.method != "sft":
+                raise ValueError(f"filter.{setting} {what} what SFT trains on, and train_policy.method="
+                                 f"{self.train_policy.method!r} does not train on them: use recipe rft or coevo with "
+                                 f"train_policy.method=sft, or set filter.{setting}={off}")
         if self.filter.judge_max_drop is not None and self.filter.min_step_score is None:
             raise ValueError("filter.judge_max_drop caps the share of right answers filter.min_step_score drops: "
                              "set filter.min_step_score too (e.g. 0.5)")
@@ -886,16 +896,21 @@ class ExperimentConfig(_Section):
         from components.envs import ENVS
         from components.instantiate import locate
 
+        # Settings that ask the environment to read its tasks: the method each needs, what it does, how to undo it.
+        reads = [("hindsight", "hindsight", "relabels wrong episodes with the task they solved", "false"),
+                 ("max_per_value", "constants", "counts the constants a task asks for", "null")]
+        for setting, method, what, off in reads:
+            if getattr(self.filter, setting) in (False, None):
+                continue
+            if self.domain.name not in ENVS:
+                raise ValueError(f"filter.{setting} {what}, an environment's (code), and domain.name="
+                                 f"{self.domain.name!r} is not one: set filter.{setting}={off}")
+            if not callable(getattr(locate(ENVS[self.domain.name]), method, None)):
+                raise ValueError(f"filter.{setting} {what}, and {self.domain.name!r} cannot name them: set "
+                                 f"filter.{setting}={off} (the code environment reads its generated tasks)")
         if self.domain.name not in ENVS:
-            if self.filter.hindsight:
-                raise ValueError(f"filter.hindsight relabels an environment's episodes (code), and domain.name="
-                                 f"{self.domain.name!r} is not one: set filter.hindsight=false")
             return
         where = f"domain.name={self.domain.name!r} is an agent environment"
-        if self.filter.hindsight and not callable(getattr(locate(ENVS[self.domain.name]), "hindsight", None)):
-            raise ValueError(f"filter.hindsight relabels wrong episodes with the task they solved, and "
-                             f"{self.domain.name!r} cannot name one: set filter.hindsight=false (the code "
-                             "environment relabels its generated tasks)")
         if self.policy.prompt_format != "chat" or self.policy.model is None:
             raise ValueError(f"{where}: its turns are chat messages with tool calls; set policy.prompt_format=chat and "
                              "policy.model to a model with a chat template (`coevo build-model --domain "

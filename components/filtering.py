@@ -57,6 +57,34 @@ def rft_filter(
     return rows
 
 
+def cap_per_value(rows: list[dict[str, Any]], constants: dict[str, list[str]], cap: int,
+                  later: set[str] = frozenset()) -> int:
+    """filter.max_per_value: deselect, in place, the selected `rows` past `cap` that share a constant of their task
+    (`constants`: trajectory -> `<template>: <name>=<value>` keys), so no one value of a template floods what the
+    policy trains on. Each problem's first selection goes before its second; trajectories in `later` (relabels)
+    after every other. Returns how many it deselected.
+
+    >>> rows = [{"trajectory_id": t, "selected": True, "rank": 0, "reason": "correct"} for t in "abc"]
+    >>> cap_per_value(rows, {"a": ["T: k=7"], "b": ["T: k=7"], "c": ["T: k=3"]}, 1, later={"a"})
+    1
+    >>> [(r["trajectory_id"], r["selected"], r["reason"]) for r in rows]
+    [('a', False, 'over max_per_value=1: T: k=7'), ('b', True, 'correct'), ('c', True, 'correct')]
+    """
+    count: dict[str, int] = defaultdict(int)
+    dropped = 0
+    for r in sorted((r for r in rows if r["selected"]),
+                    key=lambda r: (r["trajectory_id"] in later, r["rank"], r["trajectory_id"])):
+        keys = constants.get(r["trajectory_id"]) or []
+        full = next((k for k in keys if count[k] >= cap), None)
+        if full is not None:
+            r.update(selected=False, rank=None, reason=f"over max_per_value={cap}: {full}")
+            dropped += 1
+            continue
+        for k in keys:
+            count[k] += 1
+    return dropped
+
+
 CHECKER = "steps do not check"  # the reason the domain's step checker gives
 
 

@@ -282,6 +282,20 @@ class CodeEnv(FileProblems):
         relabeled = self.task(level, template, params)
         return None if relabeled.problem_id == problem.problem_id else relabeled
 
+    def constants(self, prompt: str) -> list[str] | None:
+        """The constants a generated task's prompt asks for, each as `<template>: <name>=<value>` (the template named
+        by its level and place in `TASKS`), or None for a prompt no template wrote: what filter.max_per_value counts.
+
+        >>> CodeEnv().constants(CodeEnv().task(4, TASKS[4][0], {"k": 5, "c": 19, "m": 13}).prompt)
+        ['level 4 template 1: c=19', 'level 4 template 1: k=5', 'level 4 template 1: m=13']
+        """
+        for level, templates in TASKS.items():
+            for i, template in enumerate(templates):
+                asked = _pattern(f"Write a Python function `{template[0]}` that {template[1]}.").search(prompt)
+                if asked is not None:
+                    return [f"level {level} template {i + 1}: {k}={v}" for k, v in sorted(_params(asked).items())]
+        return None
+
     def task(self, level: int, template: tuple[str, str, str, list[str]], params: dict[str, int]) -> Problem:
         """The task of `template` with `params` (k, c, m): its prompt, and tests whose expectations come from the
         template's reference."""

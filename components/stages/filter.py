@@ -1,8 +1,8 @@
 """`filter`: choose what the policy trains on (the ranker): right answers, deduplicated, ranked by the
 reward model where the round has one, judged step by step (filter.min_step_score, by the previous round's PRM or
 with filter.judge=round this round's), and optionally DPO pairs; with filter.hindsight, wrong episodes relabeled
-with the task they solved, stored as trajectories of their own; under recipe grpo, each rollout's advantage and
-the groups that train."""
+with the task they solved, stored as trajectories of their own; with filter.max_per_value, at most so many of one
+constant of a template; under recipe grpo, each rollout's advantage and the groups that train."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def plan(p: Planner) -> Inputs:
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
-    from components.filtering import (dpo_pairs, judge_catch_rates, judge_ranking, judge_threshold, rft_filter,
-                                      step_pair_selections, step_rejects)
+    from components.filtering import (cap_per_value, dpo_pairs, judge_catch_rates, judge_ranking, judge_threshold,
+                                      rft_filter, step_pair_selections, step_rejects)
     from components.reward_eval import repeated_step_rate
     from components.scoring import outcome_scores
 
@@ -85,12 +85,18 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     considered = trajs + hindsight.get("trajectories", [])
     rows = rft_filter(considered, correct, scores, experiment=spec.experiment, round=spec.round, dedup=f.dedup,
                       max_per_problem=f.max_per_problem, step_rejects=rejects)
+    capped = 0
+    if f.max_per_value is not None:  # no one constant of a template floods the round (the policy's favourite)
+        constants = {t["trajectory_id"]: domain.constants(t["prompt"]) for t in considered}
+        capped = cap_per_value(rows, constants, f.max_per_value, later=set(sources))
     for r in rows:  # a relabel names its source, and why it was left out where it was
         if r["trajectory_id"] in sources:
             why = "" if r["selected"] else f"; {r['reason']}"
             r["reason"] = f"hindsight: relabeled from {sources[r['trajectory_id']]}{why}"
     n_sel = sum(r["selected"] for r in rows)
     metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
+    if f.max_per_value is not None:
+        metrics["over_max_per_value"] = capped
     if threshold is not None and prm_min:
         metrics["judge_min_step_score"] = threshold
     if second:
@@ -125,6 +131,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     log("filter", f"selected {n_sel} of {len(trajs) + len(sources)} trajectories for policy_sft, ranked by {source}"
                   + (f"; {len(sources)} wrong episodes relabeled in hindsight, {metrics['hindsight_selected']:.0f} "
                      "of them selected" if f.hindsight else "")
+                  + (f"; {capped} left out over max_per_value={f.max_per_value}" if f.max_per_value else "")
                   + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else "")
                   + (f"; {metrics['step_dpo_pairs']:.0f} step-level DPO pairs" if "step_dpo_pairs" in metrics else "")
                   + (f"; the judge's threshold {threshold:.3f}, calibrated to drop at most {f.judge_max_drop:g} of the "

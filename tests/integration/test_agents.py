@@ -722,7 +722,7 @@ def hindsight_run(prefect_server, tmp_path_factory):
                  "bootstrap.levels=[1]", "bootstrap.seed_levels=[]", "bootstrap.problems_per_level=10",
                  "generate.backend=tests.integration.slips:SlipPolicy", "generate.problems_per_level=6",
                  "generate.samples_per_problem=2", "train_policy.steps=3", "evaluate.problems_per_level=3",
-                 "domain.options.test_size=6", "filter.hindsight=true"]
+                 "domain.options.test_size=6", "filter.hindsight=true", "filter.max_per_value=1"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)
@@ -772,6 +772,32 @@ def test_hindsight_trains_on_wrong_episodes_relabeled_with_the_task_their_progra
         "SELECT count(*) FILTER (WHERE v.correct), count(*) FROM verifications v JOIN trajectories t "
         "USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train'", [cfg.experiment])
     assert rate == pytest.approx(n_right / n) and n_right < n
+
+
+def test_max_per_value_keeps_any_one_constant_of_a_template_to_its_cap_relabels_last(hindsight_run):
+    from components.envs.code import CodeEnv
+
+    cfg, store = hindsight_run
+    cap, env = cfg.filter.max_per_value, CodeEnv(test_size=6)
+    _, rows = store.query(
+        "SELECT t.trajectory_id, t.purpose, t.prompt, s.selected, s.reason FROM selections s JOIN trajectories t "
+        "USING (trajectory_id) WHERE t.experiment_id = ? AND s.round = 1 AND s.purpose = 'policy_sft'",
+        [cfg.experiment])
+    kept: dict[str, int] = {}
+    for _, _, prompt, selected, _ in rows:
+        for key in env.constants(prompt) if selected else []:
+            kept[key] = kept.get(key, 0) + 1
+    assert kept and max(kept.values()) <= cap
+    capped = [(purpose, prompt, reason) for _, purpose, prompt, selected, reason in rows if "max_per_value" in reason]
+    assert capped, "the slips give some constant more right answers and relabels than the cap"
+    for purpose, prompt, reason in capped:
+        full = reason.split(f"over max_per_value={cap}: ")[1]
+        assert full in env.constants(prompt) and kept[full] == cap  # left out only where its value was full
+        # A relabel gives way to a sampled right answer: one is left out only where relabels fill the value too.
+        assert purpose == "hindsight" or not any(
+            p == "hindsight" and sel and full in env.constants(q) for _, p, q, sel, _ in rows)
+    flt = json.loads(store.committed_run(cfg.experiment, 1, "filter")["metrics_json"])
+    assert flt["over_max_per_value"] == len(capped)
 
 
 def _problem(env, prompt):

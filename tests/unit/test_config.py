@@ -214,16 +214,17 @@ def test_missing_file():
         load_config("nope.yaml")
 
 
-def test_hindsight_is_for_an_environment_that_names_the_task_a_wrong_answer_solved_and_for_sft():
+@pytest.mark.parametrize("setting, value", [("hindsight", True), ("max_per_value", 4)])
+def test_settings_that_read_code_tasks_are_for_an_environment_that_can_and_for_sft(setting, value):
     code = {"experiment": "x", "domain": {"name": "code"}, "policy": {"model": "m", "prompt_format": "chat"}}
-    on = {"filter": {"hindsight": True}}
-    assert load_config_dict(code | on).filter.hindsight
-    assert "hindsight" not in load_config_dict(code).to_dict()["filter"]  # off: stored configs hash as before
-    with pytest.raises(ConfigError, match="filter.hindsight relabels .* and 'sql' cannot name one"):
+    on = {"filter": {setting: value}}
+    assert getattr(load_config_dict(code | on).filter, setting) == value
+    assert setting not in load_config_dict(code).to_dict()["filter"]  # off: stored configs hash as before
+    with pytest.raises(ConfigError, match=f"filter.{setting} .* and 'sql' cannot name them"):
         load_config_dict(code | {"domain": {"name": "sql"}} | on)
-    with pytest.raises(ConfigError, match="filter.hindsight relabels an environment's episodes .* domain.name='arith'"):
+    with pytest.raises(ConfigError, match=f"filter.{setting} .* an environment's .* domain.name='arith' is not one"):
         load_config_dict({"experiment": "x"} | on)
-    with pytest.raises(ConfigError, match="train_policy.method='grpo' does not train on them"):
+    with pytest.raises(ConfigError, match=f"train_policy.method='grpo' does not .*filter.{setting}="):
         load_config_dict(code | on | {"recipe": "grpo", "train_policy": {"method": "grpo"}})
 
 
