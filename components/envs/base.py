@@ -56,6 +56,9 @@ class StepResult:
 @dataclass(frozen=True)
 class EpisodeLimits:
     max_turns: int = 4  # assistant turns
+    # The episode's own time: its environment's, and its share of each batched generation. Not the time since it
+    # started, which grows with every episode batched beside it and with the machine's load: a busy machine would cut
+    # other episodes than an idle one from the same seed.
     max_wall_s: float = 60.0
     max_observation_chars: int = 2000  # a longer observation is cut, and the cut counted
 
@@ -224,7 +227,7 @@ class EpisodeRunner:
             prefixes: list[list[Message] | None] | None = None,
             max_new_turns: int | None = None) -> list[EpisodeRecord]:
         records: list[EpisodeRecord] = []
-        live: list[tuple[EpisodeRecord, Episode, float]] = []
+        live: list[tuple[EpisodeRecord, Episode]] = []
         new_turns: dict[int, int] = {}  # id(record) -> assistant turns generated in this run
         for k, (problem, ep) in enumerate(episodes):
             rec = EpisodeRecord(problem, [], [], 0.0, "done")
@@ -242,13 +245,13 @@ class EpisodeRunner:
             if rec.status == "done" and _assistant_turns(rec) >= self.limits.max_turns:
                 rec.status = "truncated_turns"
             if rec.status == "done" and not rec.replay_done:
-                live.append((rec, ep, time.monotonic()))
+                live.append((rec, ep))
         while live:
             t0 = time.perf_counter()
-            outs = self.generate([rec.messages for rec, _, _ in live])
+            outs = self.generate([rec.messages for rec, _ in live])
             gen = (time.perf_counter() - t0) / len(live)
             still = []
-            for (rec, ep, started), (text, ntok, finish, *ids) in zip(live, outs, strict=True):
+            for (rec, ep), (text, ntok, finish, *ids) in zip(live, outs, strict=True):
                 rec.gen_s += gen
                 if finish == "context":
                     rec.status = "truncated_context"
@@ -282,12 +285,12 @@ class EpisodeRunner:
                     rec.reward, rec.status = float(result.reward or 0.0), "done"
                 elif _assistant_turns(rec) >= self.limits.max_turns:
                     rec.status = "truncated_turns"
-                elif time.monotonic() - started > self.limits.max_wall_s:
+                elif rec.env_s + rec.gen_s > self.limits.max_wall_s:
                     rec.status = "truncated_time"
                 elif max_new_turns is not None and new_turns[id(rec)] >= max_new_turns:
                     rec.status = "open"
                 else:
-                    still.append((rec, ep, started))
+                    still.append((rec, ep))
             live = still
         return records
 

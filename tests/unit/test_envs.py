@@ -5,6 +5,7 @@ the environments' side of each turn."""
 import json
 import re
 import sqlite3
+import time
 
 import pytest
 
@@ -97,6 +98,36 @@ def test_an_episode_that_never_answers_is_cut_at_its_turn_limit():
     [rec] = EpisodeRunner(gen, toolcalls.parse, EpisodeLimits(max_turns=3)).run([(p, env.episode(p))])
     assert (rec.status, rec.reward) == ("truncated_turns", 0.0)
     assert sum(t.role == "assistant" for t in rec.turns) == 3 and gen.calls == [1, 1, 1]
+
+
+def test_the_time_limit_counts_an_episodes_own_time_not_the_batch_it_waits_in():
+    env = get_env("calculator")
+    problems = env.sample_problems(2, 8, seed=0)
+    call = toolcalls.format_call("calculate", {"expression": "1+1"})
+    gen = scripted({p.prompt: [call] for p in problems})
+
+    def slow_batch(conversations):  # 0.4 s a batch of 8: 0.05 s each episode's share
+        time.sleep(0.4)
+        return gen(conversations)
+
+    limits = EpisodeLimits(max_turns=3, max_wall_s=0.3)
+    records = EpisodeRunner(slow_batch, toolcalls.parse, limits).run([(p, env.episode(p)) for p in problems])
+    assert {r.status for r in records} == {"truncated_turns"}  # 1.2 s went by; each episode's own share was 0.15 s
+    assert all(0.14 < r.gen_s < 0.3 for r in records)
+
+    class Slow:  # an environment whose every step takes 0.2 s
+        def __init__(self, episode):
+            self.episode = episode
+
+        def reset(self):
+            return self.episode.reset()
+
+        def step(self, action):
+            time.sleep(0.2)
+            return self.episode.step(action)
+
+    [rec] = EpisodeRunner(gen, toolcalls.parse, limits).run([(problems[0], Slow(env.episode(problems[0])))])
+    assert rec.status == "truncated_time" and sum(t.role == "assistant" for t in rec.turns) == 2
 
 
 def test_live_episodes_step_together_and_a_raising_environment_fails_only_its_own():
