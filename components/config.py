@@ -354,8 +354,8 @@ class FilterConfig(_Section):
         None, ge=1, exclude_if=lambda v: v is None,
         description="Select at most this many episodes a round whose task asks for one value of one constant of "
                     "one template (code: the k of `(a(i) * k + 1) % m`): the policy's favourite constant, which its "
-                    "right answers and its hindsight relabels both over-represent, then cannot flood what it "
-                    "trains on, and it learns to copy the asked one. Sampled right answers go before relabels, a "
+                    "hindsight relabels over-represent (a relabel's goal is what the policy wrote), then cannot "
+                    "flood what it trains on, and it learns to copy the asked one. Sampled right answers go before relabels, a "
                     "problem's first before its second. Environments with a `constants` method; not under grpo.")
 
     @property

@@ -289,12 +289,11 @@ class CodeEnv(FileProblems):
         >>> CodeEnv().constants(CodeEnv().task(4, TASKS[4][0], {"k": 5, "c": 19, "m": 13}).prompt)
         ['level 4 template 1: c=19', 'level 4 template 1: k=5', 'level 4 template 1: m=13']
         """
-        for level, templates in TASKS.items():
-            for i, template in enumerate(templates):
-                asked = _pattern(f"Write a Python function `{template[0]}` that {template[1]}.").search(prompt)
-                if asked is not None:
-                    return [f"level {level} template {i + 1}: {k}={v}" for k, v in sorted(_params(asked).items())]
-        return None
+        found = _asked(prompt)
+        if found is None:
+            return None
+        level, i, asked = found
+        return [f"level {level} template {i + 1}: {k}={v}" for k, v in sorted(_params(asked).items())]
 
     def task(self, level: int, template: tuple[str, str, str, list[str]], params: dict[str, int]) -> Problem:
         """The task of `template` with `params` (k, c, m): its prompt, and tests whose expectations come from the
@@ -395,11 +394,20 @@ def parse_task(text: str) -> tuple[int, tuple[str, str, str, list[str]], dict[st
     >>> level, template[1][:32], params
     (4, 'returns the list of the first n ', {'k': 3, 'c': 1, 'm': 11})
     """
+    found = _asked(text)
+    if found is None:
+        return None
+    level, i, asked = found
+    return level, TASKS[level][i], {"k": 2, "c": 1, "m": 3} | _params(asked)
+
+
+def _asked(text: str) -> tuple[int, int, re.Match[str]] | None:
+    """The level and place in `TASKS` of the template whose prompt `text` holds, and its match, or None."""
     for level, templates in TASKS.items():
-        for template in templates:
+        for i, template in enumerate(templates):
             asked = _pattern(f"Write a Python function `{template[0]}` that {template[1]}.").search(text)
             if asked is not None:
-                return level, template, {"k": 2, "c": 1, "m": 3} | _params(asked)
+                return level, i, asked
     return None
 
 
