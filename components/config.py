@@ -355,8 +355,9 @@ class FilterConfig(_Section):
         description="Select at most this many episodes a round whose task asks for one value of one constant of "
                     "one template (code: the k of `(a(i) * k + 1) % m`): the policy's favourite constant, which its "
                     "hindsight relabels over-represent (a relabel's goal is what the policy wrote), then cannot "
-                    "flood what it trains on, and it learns to copy the asked one. Sampled right answers go before relabels, a "
-                    "problem's first before its second. Environments with a `constants` method; not under grpo.")
+                    "flood what it trains on, and it learns to copy the asked one. Sampled right answers go before "
+                    "relabels, a problem's first before its second. Environments with a `constants` method; "
+                    "train_policy.method sft only.")
 
     @property
     def judges_in_round(self) -> bool:
