@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -235,6 +235,21 @@ class TreeLabelsSection(_Section):
 
 # score.reward_model's built-in values; any other value is a dotted path to a user's reward model.
 REWARD_MODEL_NAMES = ("none", "prm", "orm", "implicit", "confidence", "env")
+
+
+class EnvRead(NamedTuple):
+    """A filter setting that asks the environment to read its tasks."""
+    method: str  # the environment method it needs
+    what: str  # what that method does, for errors
+    sft: str  # what the setting does to SFT's examples, for errors
+    off: str  # the value that turns it off
+
+
+ENV_READS = {
+    "hindsight": EnvRead("hindsight", "relabels wrong episodes with the task they solved", "adds relabeled episodes to",
+                         "false"),
+    "max_per_value": EnvRead("constants", "counts the constants a task asks for", "caps the episodes of", "null"),
+}
 
 
 class ScoreConfig(_Section):
@@ -818,12 +833,11 @@ class ExperimentConfig(_Section):
                              f"step, and score.reward_model={rm} scores no steps: set score.reward_model=prm (with "
                              "train_reward.enabled), implicit, confidence, or a step reward model by dotted path"
                              + ("" if self.train_policy.method == "grpo" else "; or filter.judge=round (recipe coevo)"))
-        for setting, what, off in [("hindsight", "adds relabeled episodes to", "false"),
-                                   ("max_per_value", "caps the episodes of", "null")]:
+        for setting, read in ENV_READS.items():
             if getattr(self.filter, setting) not in (False, None) and self.train_policy.method != "sft":
-                raise ValueError(f"filter.{setting} {what} what SFT trains on, and train_policy.method="
+                raise ValueError(f"filter.{setting} {read.sft} what SFT trains on, and train_policy.method="
                                  f"{self.train_policy.method!r} does not train on them: use recipe rft or coevo with "
-                                 f"train_policy.method=sft, or set filter.{setting}={off}")
+                                 f"train_policy.method=sft, or set filter.{setting}={read.off}")
         if self.filter.judge_max_drop is not None and self.filter.min_step_score is None:
             raise ValueError("filter.judge_max_drop caps the share of right answers filter.min_step_score drops: "
                              "set filter.min_step_score too (e.g. 0.5)")
@@ -897,18 +911,15 @@ class ExperimentConfig(_Section):
         from components.envs import ENVS
         from components.instantiate import locate
 
-        # Settings that ask the environment to read its tasks: the method each needs, what it does, how to undo it.
-        reads = [("hindsight", "hindsight", "relabels wrong episodes with the task they solved", "false"),
-                 ("max_per_value", "constants", "counts the constants a task asks for", "null")]
-        for setting, method, what, off in reads:
+        for setting, read in ENV_READS.items():
             if getattr(self.filter, setting) in (False, None):
                 continue
             if self.domain.name not in ENVS:
-                raise ValueError(f"filter.{setting} {what}, an environment's (code), and domain.name="
-                                 f"{self.domain.name!r} is not one: set filter.{setting}={off}")
-            if not callable(getattr(locate(ENVS[self.domain.name]), method, None)):
-                raise ValueError(f"filter.{setting} {what}, and {self.domain.name!r} cannot name them: set "
-                                 f"filter.{setting}={off} (the code environment reads its generated tasks)")
+                raise ValueError(f"filter.{setting} {read.what}, an environment's (code), and domain.name="
+                                 f"{self.domain.name!r} is not one: set filter.{setting}={read.off}")
+            if not callable(getattr(locate(ENVS[self.domain.name]), read.method, None)):
+                raise ValueError(f"filter.{setting} {read.what}, and {self.domain.name!r} cannot name them: set "
+                                 f"filter.{setting}={read.off} (the code environment reads its generated tasks)")
         if self.domain.name not in ENVS:
             return
         where = f"domain.name={self.domain.name!r} is an agent environment"
