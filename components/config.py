@@ -641,6 +641,11 @@ class CurriculumConfig(_Section):
     low: float = Field(0.03, ge=0.0, le=1.0)
     high: float = Field(0.95, ge=0.0, le=1.0)
     max_levels: int = Field(3, ge=1, description="At most this many levels per round, hardest-learnable first.")
+    floor_from_samples: bool = Field(
+        False, exclude_if=lambda v: not v,
+        description="A level the last round sampled stays above `low` while its samples solved at least `low` of "
+                    "its problems, whatever its held-out greedy rate: the hardest level being climbed is not "
+                    "dropped for good when one held-out task turns wrong. The ceiling (`high`) stays held-out.")
 
     @model_validator(mode="after")
     def _order(self) -> CurriculumConfig:

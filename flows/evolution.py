@@ -135,7 +135,8 @@ def _plan_round(cfg: ExperimentConfig, store: Store, round: int) -> list[int]:
     if not rates:
         raise PlanningError(f"{cfg.experiment} round {round - 1}: no committed evaluation to plan the curriculum from")
     c = cfg.curriculum
-    levels, reason = pick_levels(rates, c.low, c.high, c.max_levels)
+    solved = store.level_solved_shares(cfg.experiment, round - 1) if c.floor_from_samples else None
+    levels, reason = pick_levels(rates, c.low, c.high, c.max_levels, solved)
     store.set_round_plan(cfg.experiment, round, levels, reason)
     get_run_logger().info(f"round {round} curriculum: levels {levels} ({reason})")
     return levels

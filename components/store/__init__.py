@@ -644,6 +644,22 @@ class Store:
         )[1]
         return {int(level): float(value) for level, value in rows}
 
+    def level_solved_shares(self, experiment: str, round: int) -> dict[int, float]:
+        """{level: share of the round's sampled problems that a sample got right}, from its committed generate
+        and verify attempts; {} if none."""
+        if not self.exists():
+            return {}
+        rows = self.query(
+            "SELECT t.level, count(DISTINCT t.problem_id) FILTER (WHERE v.correct) / count(DISTINCT t.problem_id) "
+            "FROM trajectories t JOIN stage_runs g ON g.stage_run_id = t.stage_run_id AND g.status = 'committed' "
+            "LEFT JOIN (SELECT v.trajectory_id, v.correct FROM verifications v JOIN stage_runs s USING (stage_run_id) "
+            "           WHERE s.stage = 'verify' AND s.status = 'committed') v USING (trajectory_id) "
+            "WHERE t.experiment_id=? AND t.round=? AND t.purpose = 'train' AND g.stage = 'generate' "
+            "GROUP BY t.level ORDER BY t.level",
+            [experiment, round],
+        )[1]
+        return {int(level): float(share) for level, share in rows}
+
     def evaluations(self, experiment: str) -> list[dict[str, Any]]:
         if not self.exists():
             return []
