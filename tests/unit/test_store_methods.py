@@ -95,6 +95,43 @@ def test_level_pass_rates_are_the_committed_greedy_accuracy_per_level(store):
     assert all(type(k) is int and type(v) is float for k, v in store.level_pass_rates("e", 0).items())
 
 
+def _sample(i: int, problem: int, level: int, purpose: str = "train") -> dict:
+    return {name: None for name in SCHEMAS["trajectories"].names if name != "stage_run_id"} | {
+        "trajectory_id": f"t{i}", "experiment_id": "e", "round": 1, "purpose": purpose, "problem_id": f"p{problem}",
+        "level": level, "sample_index": i, "prompt": "q", "completion": "c", "num_tokens": 3}
+
+
+def _verdict(i: int, correct: bool | None) -> dict:
+    return {"trajectory_id": f"t{i}", "verifier": "v", "verifier_version": "1", "correct": correct, "reward": None,
+            "detail": None}
+
+
+def test_level_solved_shares_count_problems_a_sample_got_right_by_the_committed_verdicts(store, tmp_path):
+    samples = [_sample(0, 0, 2), _sample(1, 0, 2), _sample(2, 1, 2), _sample(3, 2, 3)]
+    _commit(store, tmp_path, StageRunRef("e", 1, "generate", 1), {"trajectories": samples})
+    _commit(store, tmp_path, StageRunRef("e", 1, "verify", 1), {"verifications": [_verdict(i, True) for i in range(4)]})
+    assert store.level_solved_shares("e", 1) == {2: 1.0, 3: 1.0}
+    # A rerun of verify supersedes the first verdicts: p0 is solved by its second sample alone, p2 not at all.
+    _commit(store, tmp_path, StageRunRef("e", 1, "verify", 2),
+            {"verifications": [_verdict(0, False), _verdict(1, True), _verdict(2, False), _verdict(3, None)]})
+    assert store.level_solved_shares("e", 1) == {2: 0.5, 3: 0.0}
+    # Verdicts and samples of an attempt that is not committed (one still running) are not the round's.
+    with store.writer() as con:
+        con.execute("INSERT INTO stage_runs (stage_run_id, experiment_id, round, stage, attempt, status) VALUES "
+                    "('e/r1/verify/a9', 'e', 1, 'verify', 9, 'running'), "
+                    "('e/r1/generate/a9', 'e', 1, 'generate', 9, 'running')")
+        con.execute("INSERT INTO verifications (trajectory_id, verifier, verifier_version, correct, stage_run_id) "
+                    "VALUES ('t2', 'v2', '1', true, 'e/r1/verify/a9')")
+        con.execute("INSERT INTO trajectories (trajectory_id, experiment_id, round, purpose, problem_id, level, "
+                    "sample_index, prompt, completion, num_tokens, stage_run_id) "
+                    "VALUES ('t8', 'e', 1, 'train', 'p8', 4, 0, 'q', 'c', 3, 'e/r1/generate/a9')")
+    assert store.level_solved_shares("e", 1) == {2: 0.5, 3: 0.0}
+    # Nor are the evaluation's trajectories samples.
+    _commit(store, tmp_path, StageRunRef("e", 1, "evaluate", 3), {"trajectories": [_sample(9, 5, 4, "eval")]})
+    assert store.level_solved_shares("e", 1) == {2: 0.5, 3: 0.0}
+    assert store.level_solved_shares("e", 0) == {} and Store(tmp_path / "none").level_solved_shares("e", 1) == {}
+
+
 def test_evaluations_ordered_by_round_level_metric(store):
     rows = store.evaluations("e")
     assert [(r["round"], r["level"], r["metric"]) for r in rows] == [
