@@ -721,7 +721,8 @@ def hindsight_run(prefect_server, tmp_path_factory):
     overrides = [f"workdir={w}", "experiment=code-hindsight", "rounds=1", f"policy.model={model}", "bootstrap.steps=0",
                  "bootstrap.levels=[1]", "bootstrap.seed_levels=[]", "bootstrap.problems_per_level=10",
                  "generate.backend=tests.integration.slips:SlipPolicy", "generate.problems_per_level=6",
-                 "generate.samples_per_problem=2", "train_policy.steps=3", "evaluate.problems_per_level=3",
+                 "generate.samples_per_problem=2", "generate.until_correct=null", "generate.wave_size=1",
+                 "train_policy.steps=3", "evaluate.problems_per_level=3",
                  "domain.options.test_size=6", "filter.hindsight=true", "filter.max_per_value=1"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
@@ -732,7 +733,7 @@ def test_hindsight_trains_on_wrong_episodes_relabeled_with_the_task_their_progra
     from components.envs.code import CodeEnv, answer_code
 
     cfg, store = hindsight_run
-    env = CodeEnv(test_size=6)
+    env = CodeEnv(**cfg.domain.options)  # the run's tasks and held-out set
     _, wrong = store.query(
         "SELECT t.trajectory_id, t.level, p.prompt, t.answer FROM trajectories t JOIN problems p USING (problem_id) "
         "JOIN verifications v USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' "
@@ -778,7 +779,7 @@ def test_max_per_value_keeps_any_one_constant_of_a_template_to_its_cap_relabels_
     from components.envs.code import CodeEnv
 
     cfg, store = hindsight_run
-    cap, env = cfg.filter.max_per_value, CodeEnv(test_size=6)
+    cap, env = cfg.filter.max_per_value, CodeEnv(**cfg.domain.options)
     _, rows = store.query(
         "SELECT t.trajectory_id, t.purpose, t.prompt, s.selected, s.reason FROM selections s JOIN trajectories t "
         "USING (trajectory_id) WHERE t.experiment_id = ? AND s.round = 1 AND s.purpose = 'policy_sft'",
