@@ -249,6 +249,8 @@ ENV_READS = {
     "hindsight": EnvRead("hindsight", "relabels wrong episodes with the task they solved", "adds relabeled episodes to",
                          "false"),
     "max_per_value": EnvRead("constants", "counts the constants a task asks for", "caps the episodes of", "null"),
+    "variants": EnvRead("variants", "poses right episodes again with other constants", "adds variant episodes to",
+                        "null"),
 }
 
 
@@ -365,6 +367,16 @@ class FilterConfig(_Section):
                     "ranges, never a held-out task), the episode's turns are replayed on that task and, when right "
                     "there, join the round's right answers as a trajectory of purpose 'hindsight' "
                     "(components/envs/hindsight.py). Environments with a `hindsight` method; not under recipe grpo.")
+    variants: int | None = Field(
+        None, ge=1, exclude_if=lambda v: v is None,
+        description="Pose each of the round's right episodes again this many times with other constants: where the "
+                    "environment can (code: the final answer is the asked template's program with the asked "
+                    "constants), it draws the template's constants anew, writes that program with them in each of "
+                    "the episode's turns, replays the turns on that task (the tools run again) and keeps the replay "
+                    "where it is right, as a trajectory of purpose 'variant' (components/envs/hindsight.py; never a "
+                    "held-out task). A prompt's numbers and its program's then agree on values the policy did not "
+                    "pick. Environments with a `variants` method; train_policy.method sft only. A replay longer "
+                    "than train_policy.max_length is left out, as a relabel is.")
     max_per_value: int | None = Field(
         None, ge=1, exclude_if=lambda v: v is None,
         description="Select at most this many episodes a round whose task asks for one value of one constant of "
@@ -373,6 +385,11 @@ class FilterConfig(_Section):
                     "flood what it trains on, and it learns to copy the asked one. Sampled right answers go before "
                     "relabels, a problem's first before its second. Environments with a `constants` method; "
                     "train_policy.method sft only.")
+
+    @property
+    def replays(self) -> bool:
+        """The filter stores episodes of its own, replayed on other tasks (filter.hindsight, filter.variants)."""
+        return self.hindsight or self.variants is not None
 
     @property
     def judges_in_round(self) -> bool:

@@ -282,6 +282,44 @@ class CodeEnv(FileProblems):
         relabeled = self.task(level, template, params)
         return None if relabeled.problem_id == problem.problem_id else relabeled
 
+    def variants(self, problem: Problem, turns: list[str], n: int, rng: random.Random,
+                 ) -> list[tuple[Problem, list[str]]]:
+        """Up to `n` tasks of `problem`'s template with other constants drawn from its ranges, each with the
+        assistant `turns` written with them, where the last turn's program is the template's with the asked
+        constants: the answer posed again (filter.variants). That program is written anew in every turn that
+        holds it, a tool call's arguments included. None for any other answer, or a task from a file.
+
+        >>> env = CodeEnv()
+        >>> p = env.task(4, TASKS[4][3], {"k": 2, "c": 1, "m": 13})
+        >>> [(q.prompt[-10:], t[-1].splitlines()[4]) for q, t in env.variants(p, ["```python\\n" + p.meta["solution"]
+        ...                                                                     + "\\n```"], 2, random.Random(0))]
+        [('modulo 57.', '        s = (s + x) % 57'), ('modulo 27.', '        s = (s + x) % 27')]
+        >>> env.variants(p, ["```python\\ndef f(xs):\\n    return xs\\n```"], 2, random.Random(0))
+        []
+        """
+        asked = None if self._files else parse_task(problem.prompt)
+        if asked is None or not turns:
+            return []
+        level, template, params = asked
+        written = answer_code(turns[-1])
+        code = "\n".join(line.rstrip() for line in written.splitlines())
+        wrote = _pattern(f"def {template[0]}:\n    {template[2]}").fullmatch(code)
+        if wrote is None or params | _params(wrote) != params:
+            return []
+        used = {name for _, name, _, _ in string.Formatter().parse(template[1] + template[2]) if name}
+        used = (used - {"hi"}) | ({"k", "c"} if "hi" in used else set())
+        ranges = ranges_of(template)
+        out: dict[str, tuple[Problem, list[str]]] = {problem.problem_id: (problem, turns)}
+        for _ in range(4 * n):
+            if len(out) > n:
+                break
+            goal = self.task(level, template, params | {name: rng.randint(*ranges[name]) for name in sorted(used)})
+            new = goal.meta["solution"]
+            out.setdefault(goal.problem_id, (goal, [t.replace(written, new).replace(json.dumps(written)[1:-1],
+                                                                                   json.dumps(new)[1:-1])
+                                                    for t in turns]))
+        return list(out.values())[1:]
+
     def constants(self, prompt: str) -> list[str] | None:
         """The constants a generated task's prompt asks for, each as `<template>: <name>=<value>` (the template named
         by its level and place in `TASKS`), or None for a prompt no template wrote: what filter.max_per_value counts.

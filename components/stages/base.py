@@ -157,16 +157,16 @@ def agent_sampler(backend: Any, model_uri: str, *, temperature: float, top_p: fl
 def sft_examples(spec: StageSpec, trajectories: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What SFT trains on for each trajectory: {"prompt", "completion"}; for an environment's episode, its chat
     {"messages"} from the stored turns (round 0's from `bootstrap`, later rounds' from `generate`, and from `filter`
-    where it relabels episodes in hindsight)."""
+    where it relabels episodes or poses them again)."""
     from components.envs.rollout import conversations, is_agent
 
     if not is_agent(domain_of(spec)):
         return [{"prompt": t["prompt"], "completion": t["completion"]} for t in trajectories]
     chats: dict[str, list[dict[str, Any]]] = {}
-    hindsight = spec.cfg().filter.hindsight
+    replays = spec.cfg().filter.replays
     for r in sorted({t["round"] for t in trajectories}):
         chats |= conversations(spec.rows("bootstrap" if r == 0 else "generate", "turns", round=r))
-        if r > 0 and hindsight:  # the filter's relabeled episodes (filter.hindsight)
+        if r > 0 and replays:  # the filter's relabeled and variant episodes (filter.hindsight, filter.variants)
             chats |= conversations(spec.rows("filter", "turns", round=r))
     missing = [t["trajectory_id"] for t in trajectories if t["trajectory_id"] not in chats]
     if missing:
@@ -316,12 +316,13 @@ def model_input(spec: StageSpec, role: str, trajectory_id: str, source_round: in
 def selected(spec: StageSpec, round: int, demos_only: bool = False) -> dict[str, dict[str, Any]]:
     """Trajectories selected for policy SFT in `round`. Round 0: the demonstrations `bootstrap` stored, and
     the verified-correct trajectories `import` stored where the job may read them (unless `demos_only`). Later
-    rounds: what `filter` selected of `generate`'s episodes, and of its own relabeled ones (filter.hindsight)."""
+    rounds: what `filter` selected of `generate`'s episodes, and of its own replayed ones (filter.hindsight,
+    filter.variants)."""
     if round == 0:
         sources = [(("bootstrap",), "bootstrap")] + ([(("import",), "import")]
                                                      if not demos_only and spec.has("import", 0) else [])
     else:
-        sources = [(("generate", "filter") if spec.cfg().filter.hindsight else ("generate",), "filter")]
+        sources = [(("generate", "filter") if spec.cfg().filter.replays else ("generate",), "filter")]
     out: dict[str, dict[str, Any]] = {}
     for src_t, src_s in sources:
         trajs = {t["trajectory_id"]: t for stage in src_t for t in spec.rows(stage, "trajectories", round=round)}

@@ -1,7 +1,8 @@
 """`filter`: choose what the policy trains on (the ranker): right answers, deduplicated, ranked by the
 reward model where the round has one, judged step by step (filter.min_step_score, by the previous round's PRM or
 with filter.judge=round this round's), and optionally DPO pairs; with filter.hindsight, wrong episodes relabeled
-with the task they solved, stored as trajectories of their own; with filter.max_per_value, at most so many of one
+with the task they solved, and with filter.variants right ones posed again with other constants, stored as
+trajectories of their own; with filter.max_per_value, at most so many of one
 constant of a template; under recipe grpo, each rollout's advantage and the groups that train."""
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ RANKERS = ("prm", "implicit", "confidence", "orm")
 
 
 @dataclass
-class Inputs:
-    pass  # this round's committed generate, verify and (where the recipe runs it) score outputs
+class Inputs:  # and this round's committed generate, verify and (where the recipe runs it) score outputs
+    # filter.hindsight, filter.variants: the policy that sampled the round, whose chat template measures a replayed
+    # episode against train_policy.max_length (its observations are the new task's, and can be longer)
+    policy_uri: str | None = None
 
 
 def plan(p: Planner) -> Inputs:
@@ -29,7 +32,7 @@ def plan(p: Planner) -> Inputs:
             p.read(stage)
     if p.cfg.filter.judges_in_round:  # the judge: this round's PRM, trained without the round's right answers
         p.read("train_reward")
-    return Inputs()
+    return Inputs(p.model(p.round - 1)["uri"] if p.cfg.filter.replays else None)
 
 
 def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
@@ -79,24 +82,33 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, **opinions)
     hindsight: dict[str, list[dict[str, Any]]] = {}
     sources: dict[str, str] = {}
-    if f.hindsight:  # wrong episodes, relabeled with the task they solved; they join the round's right answers
+    if f.replays:  # wrong episodes relabeled with the task they solved, right ones posed again: they join the right
         hindsight, sources = relabeled(spec, domain, trajs, correct)
         correct = correct | {t: True for t in sources}
+    purpose = {t["trajectory_id"]: t["purpose"] for t in hindsight.get("trajectories", [])}
     considered = trajs + hindsight.get("trajectories", [])
     rows = rft_filter(considered, correct, scores, experiment=spec.experiment, round=spec.round, dedup=f.dedup,
                       max_per_problem=f.max_per_problem, step_rejects=rejects)
+    too_long = replays_too_long(spec, hindsight) if f.replays else set()
+    for r in rows:  # a replay longer than SFT takes: its new task's observations can outgrow the source's
+        if r["selected"] and r["trajectory_id"] in too_long:
+            r.update(selected=False, rank=None,
+                     reason=f"over train_policy.max_length={spec.cfg().train_policy.max_length} tokens")
     capped = 0
     if f.max_per_value is not None:  # no one constant of a template floods the round (the policy's favourite)
         constants = {t["trajectory_id"]: domain.constants(t["prompt"]) for t in considered}
         capped = cap_per_value(rows, constants, f.max_per_value, later=set(sources))
-    for r in rows:  # a relabel names its source, and why it was left out where it was
+    for r in rows:  # a relabel or a variant names its source, and why it was left out where it was
         if r["trajectory_id"] in sources:
             why = "" if r["selected"] else f"; {r['reason']}"
-            r["reason"] = f"hindsight: relabeled from {sources[r['trajectory_id']]}{why}"
+            what = "hindsight: relabeled from" if purpose[r["trajectory_id"]] == "hindsight" else "variant of"
+            r["reason"] = f"{what} {sources[r['trajectory_id']]}{why}"
     n_sel = sum(r["selected"] for r in rows)
     metrics: dict[str, float] = {"selected": n_sel, "considered": len(rows), "selected_fraction": n_sel / max(len(rows), 1)}
     if f.max_per_value is not None:
         metrics["over_max_per_value"] = capped
+    if f.replays:
+        metrics["replays_over_max_length"] = len(too_long)
     if threshold is not None and prm_min:
         metrics["judge_min_step_score"] = threshold
     if second:
@@ -114,9 +126,11 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         steps_pairs = spec.rows("score", "step_pairs")
         rows += step_pair_selections(steps_pairs, experiment=spec.experiment, round=spec.round)
         metrics["step_dpo_pairs"] = len(steps_pairs)
-    if f.hindsight:
-        n_hs = sum(r["selected"] for r in rows if r["trajectory_id"] in sources)
-        metrics |= {"hindsight_relabeled": len(sources), "hindsight_selected": n_hs}
+    for on, kind, made, kept_ in ((f.hindsight, "hindsight", "hindsight_relabeled", "hindsight_selected"),
+                                  (f.variants, "variant", "variants", "variants_selected")):
+        if on:
+            metrics |= {made: sum(p == kind for p in purpose.values()),
+                        kept_: sum(r["selected"] for r in rows if purpose.get(r["trajectory_id"]) == kind)}
     # Reward-hacking monitor: what the filter keeps should not drift longer or repetitive round to round.
     by_id = {t["trajectory_id"]: t for t in considered}
     kept = [by_id[r["trajectory_id"]] for r in rows if r["selected"] and r["purpose"] == "policy_sft"]
@@ -129,9 +143,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
             metrics["selected_mean_rank_score"] = sum(ranked) / len(ranked)
     write(out, selections=rows, **hindsight)
     log("filter", f"selected {n_sel} of {len(trajs) + len(sources)} trajectories for policy_sft, ranked by {source}"
-                  + (f"; {len(sources)} wrong episodes relabeled in hindsight, {metrics['hindsight_selected']:.0f} "
-                     "of them selected" if f.hindsight else "")
+                  + (f"; {metrics['hindsight_relabeled']:.0f} wrong episodes relabeled in hindsight, "
+                     f"{metrics['hindsight_selected']:.0f} of them selected" if f.hindsight else "")
+                  + (f"; {metrics['variants']:.0f} variants of right episodes, {metrics['variants_selected']:.0f} "
+                     "of them selected" if f.variants else "")
                   + (f"; {capped} left out over max_per_value={f.max_per_value}" if f.max_per_value else "")
+                  + (f"; {len(too_long)} replays longer than train_policy.max_length" if too_long else "")
                   + (f"; {metrics['dpo_pairs']:.0f} DPO pairs" if f.dpo_pairs else "")
                   + (f"; {metrics['step_dpo_pairs']:.0f} step-level DPO pairs" if "step_dpo_pairs" in metrics else "")
                   + (f"; the judge's threshold {threshold:.3f}, calibrated to drop at most {f.judge_max_drop:g} of the "
@@ -141,16 +158,41 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
 
 def relabeled(spec: StageSpec, env: Any, trajs: list[dict[str, Any]], correct: dict[str, bool | None],
               ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str]]:
-    """filter.hindsight: the round's wrong answered episodes that are right for the task their answer solved, as
-    the rows of a purpose 'hindsight' trajectory each (`components.envs.hindsight`), and each one's source."""
-    from components.envs.hindsight import relabel_episodes
-    from components.envs.rollout import conversations, verification_rows
+    """filter.hindsight: the round's wrong answered episodes that are right for the task their answer solved;
+    filter.variants: its right ones posed again with other constants. Each as the rows of a trajectory of purpose
+    'hindsight' or 'variant' (`components.envs.hindsight`), and each one's source."""
+    from components.envs.hindsight import relabel_episodes, vary_episodes
+    from components.envs.rollout import EpisodeBatch, conversations, verification_rows
 
-    wrong = [t for t in trajs if correct.get(t["trajectory_id"]) is False and t["finish_reason"] == "done"]
-    batch, sources = relabel_episodes(env, wrong, spec.rows("generate", "problems"),
-                                      conversations(spec.rows("generate", "turns")), experiment=spec.experiment,
-                                      round=spec.round)
+    cfg = spec.cfg()
+    problems, chats = spec.rows("generate", "problems"), conversations(spec.rows("generate", "turns"))
+    batch, sources = EpisodeBatch(), {}
+    answered = [t for t in trajs if t["finish_reason"] == "done"]
+    for on, run in ((cfg.filter.hindsight, lambda: relabel_episodes(
+                        env, [t for t in answered if correct.get(t["trajectory_id"]) is False], problems, chats,
+                        experiment=spec.experiment, round=spec.round)),
+                    (cfg.filter.variants is not None, lambda: vary_episodes(
+                        env, [t for t in answered if correct.get(t["trajectory_id"])], problems, chats,
+                        cfg.filter.variants, cfg.seed, experiment=spec.experiment, round=spec.round))):
+        if on:
+            more, from_ = run()
+            batch.extend(more)
+            sources |= from_
     return batch.tables | {"verifications": verification_rows(env, batch, spec.code_version or "dev")}, sources
+
+
+def replays_too_long(spec: StageSpec, tables: dict[str, list[dict[str, Any]]]) -> set[str]:
+    """The filter's replayed episodes (`relabeled`) longer than train_policy.max_length, measured with the round's
+    policy's chat template as SFT encodes them."""
+    from transformers import AutoTokenizer
+
+    from components.envs.agent import ChatEncoder
+    from components.envs.hindsight import longer_than
+
+    limit, uri = spec.cfg().train_policy.max_length, spec.inputs_as(Inputs).policy_uri
+    if limit is None or not tables.get("turns"):
+        return set()
+    return longer_than(tables, ChatEncoder(AutoTokenizer.from_pretrained(uri), uri), limit)
 
 
 def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, Any]],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import pytest
 
@@ -709,8 +710,9 @@ def test_a_sample_of_each_rounds_episodes_lands_in_mlflow_as_traces(agent_run):
 
 @pytest.fixture(scope="module")
 def hindsight_run(prefect_server, tmp_path_factory):
-    """configs/code.yaml for a round with filter.hindsight, sampled from a coding agent that slips a constant on
-    three answers of four (tests/integration/slips.py); a tiny code stand-in trains on what the filter keeps."""
+    """configs/code.yaml for a round with filter.hindsight and filter.variants, sampled from a coding agent that
+    slips a constant on three answers of four (tests/integration/slips.py); a tiny code stand-in trains on what the
+    filter keeps."""
     from flows.evolution import self_evolution
 
     w = tmp_path_factory.mktemp("hindsight")
@@ -723,7 +725,7 @@ def hindsight_run(prefect_server, tmp_path_factory):
                  "generate.backend=tests.integration.slips:SlipPolicy", "generate.problems_per_level=6",
                  "generate.samples_per_problem=2", "generate.until_correct=null", "generate.wave_size=1",
                  "train_policy.steps=3", "evaluate.problems_per_level=3",
-                 "domain.options.test_size=6", "filter.hindsight=true", "filter.max_per_value=1"]
+                 "domain.options.test_size=6", "filter.hindsight=true", "filter.max_per_value=1", "filter.variants=2"]
     self_evolution(config_path=str(config), overrides=overrides)
     cfg = load_config(config, overrides)
     return cfg, Store.for_config(cfg)
@@ -794,11 +796,56 @@ def test_max_per_value_keeps_any_one_constant_of_a_template_to_its_cap_relabels_
     for purpose, prompt, reason in capped:
         full = reason.split(f"over max_per_value={cap}: ")[1]
         assert full in env.constants(prompt) and kept[full] == cap  # left out only where its value was full
-        # A relabel gives way to a sampled right answer: one is left out only where relabels fill the value too.
-        assert purpose == "hindsight" or not any(
-            p == "hindsight" and sel and full in env.constants(q) for _, p, q, sel, _ in rows)
+        # A relabel or a variant gives way to a sampled right answer: one is left out only where they fill the
+        # value too.
+        assert purpose in ("hindsight", "variant") or not any(
+            p in ("hindsight", "variant") and sel and full in env.constants(q) for _, p, q, sel, _ in rows)
     flt = json.loads(store.committed_run(cfg.experiment, 1, "filter")["metrics_json"])
     assert flt["over_max_per_value"] == len(capped)
+
+
+def test_variants_train_on_right_episodes_posed_again_with_other_constants(hindsight_run):
+    from components.envs.code import CodeEnv, answer_code, parse_task
+
+    cfg, store = hindsight_run
+    env = CodeEnv(**cfg.domain.options)
+    _, right = store.query(
+        "SELECT t.trajectory_id, p.prompt, t.answer FROM trajectories t JOIN problems p USING (problem_id) "
+        "JOIN verifications v USING (trajectory_id) WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'train' "
+        "AND v.correct", [cfg.experiment])
+    asked = {tid: prompt for tid, prompt, _ in right}
+    held_out = {p.prompt for lv in env.levels() for p in env.test_set(lv)}
+    # What the environment poses again of each right answer (the slip policy answers at once, in one turn), drawn
+    # as the filter draws, held-out tasks left out.
+    expected = {tid: sum(goal.prompt not in held_out for goal, _ in env.variants(
+        _problem(env, prompt), [f"```python\n{answer}\n```"], cfg.filter.variants, random.Random(f"{cfg.seed}|{tid}")))
+        for tid, prompt, answer in right}
+    assert sum(expected.values()) >= 2, ("the slips leave one answer in four right", right)
+    _, got = store.query(
+        "SELECT s.reason, t.prompt, t.answer, v.correct, s.selected FROM trajectories t "
+        "JOIN selections s USING (trajectory_id) JOIN verifications v USING (trajectory_id) "
+        "WHERE t.experiment_id = ? AND t.round = 1 AND t.purpose = 'variant' AND s.purpose = 'policy_sft'",
+        [cfg.experiment])
+    by_source: dict[str, int] = {}
+    for reason, prompt, answer, correct, _ in got:
+        source = reason.removeprefix("variant of ").split(";")[0]
+        by_source[source] = by_source.get(source, 0) + 1
+        # The source's task again, its template with other constants, never held out, and its answer right there.
+        (level, template, params), (level0, template0, params0) = parse_task(prompt), parse_task(asked[source])
+        assert (level, template) == (level0, template0) and params != params0 and prompt not in held_out
+        assert correct and env.score(_problem(env, prompt), f"```python\n{answer_code(answer)}\n```") == 1.0
+    assert by_source == {tid: n for tid, n in expected.items() if n}
+    chosen = sum(row[4] for row in got)
+    _, lineage = store.query(
+        "SELECT trajectory_purpose, count(*) FROM v_lineage WHERE experiment_id = ? AND trained_round = 1 "
+        "AND use = 'new' GROUP BY ALL", [cfg.experiment])
+    assert dict(lineage)["variant"] == chosen >= 2
+    flt = json.loads(store.committed_run(cfg.experiment, 1, "filter")["metrics_json"])
+    assert (flt["variants"], flt["variants_selected"]) == (len(got), chosen)
+    # Each replay was measured against train_policy.max_length; those over it are left out, saying so.
+    _, [(over,)] = store.query("SELECT count(*) FROM selections WHERE experiment_id = ? AND round = 1 AND reason LIKE "
+                               "'%over train_policy.max_length=%'", [cfg.experiment])
+    assert flt["replays_over_max_length"] == over
 
 
 def _problem(env, prompt):

@@ -255,3 +255,30 @@ def test_the_samplers_confidence_scores_each_turn_by_its_least_likely_sampled_id
         turns = [math.exp(float(logp[a - 1:b - 1].min())) for a, b in assistant_spans(mask)]
         assert len(scores) == len(turns) == sum(m["role"] == "assistant" for m in chat) > 0
         assert scores == pytest.approx(turns, rel=1e-4) and all(0 < v <= 1 for v in scores)
+
+
+def test_a_replay_is_measured_as_sft_encodes_it_against_max_length(standin):
+    """filter.hindsight and filter.variants replay episodes on other tasks, whose observations can be longer than
+    the source's: the filter leaves out those SFT could not take whole (train_policy.max_length), measured on the
+    stored turns with the policy's chat template, as `train_sft` encodes them."""
+    from components.envs.code import TASKS, CodeEnv
+    from components.envs.hindsight import longer_than, replay
+    from components.envs.rollout import EpisodeBatch, conversations
+
+    env = CodeEnv(revise_fraction=1.0)  # a slipped try first: its failing tests' observation is long
+    short, long_ = env.task(1, TASKS[1][0], {"k": 2, "c": 1, "m": 3}), env.task(4, TASKS[4][4], {"k": 3, "c": 1, "m": 11})
+    batch = EpisodeBatch()
+    for p in (short, long_):
+        rec = replay(env, p, env.reference_episode(p))
+        assert rec.right
+        batch.add_episode(env, rec, 0, experiment="e", round=1, purpose="variant", policy_model_id="e/p", seed=0,
+                          temperature=1.0, top_p=1.0, max_new_tokens=120)
+    enc = ChatEncoder(standin.tok, "standin")
+    chats = conversations(batch.tables["turns"])
+    n = {tid: len(enc.encode(m, add_generation_prompt=False)[0]) for tid, m in chats.items()}
+    lo, hi = sorted(n.values())
+    assert lo < hi
+    [long_id] = [tid for tid, k in n.items() if k == hi]
+    assert longer_than(batch.tables, enc, lo) == {long_id}
+    assert longer_than(batch.tables, enc, hi) == set()  # max_length itself fits
+    assert longer_than(batch.tables, enc, lo - 1) == set(n)

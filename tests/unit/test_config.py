@@ -214,7 +214,7 @@ def test_missing_file():
         load_config("nope.yaml")
 
 
-@pytest.mark.parametrize("setting, value", [("hindsight", True), ("max_per_value", 4)])
+@pytest.mark.parametrize("setting, value", [("hindsight", True), ("max_per_value", 4), ("variants", 2)])
 def test_settings_that_read_code_tasks_are_for_an_environment_that_can_and_for_sft(setting, value):
     code = {"experiment": "x", "domain": {"name": "code"}, "policy": {"model": "m", "prompt_format": "chat"}}
     on = {"filter": {setting: value}}

@@ -3,6 +3,7 @@ the adapters. The agent here is scripted (reference episodes replayed, or fixed 
 the environments' side of each turn."""
 
 import json
+import random
 import re
 import sqlite3
 import time
@@ -472,6 +473,44 @@ def test_hindsight_relabels_a_wrong_episode_with_the_task_its_program_solves_and
     assert [r["content"].splitlines()[0] for r in turns if r["role"] == "tool"][-1] == f"{total}/{total} tests passed"
     assert code_env.hindsight(asked, "no code at all") is None
     assert code_env.hindsight(asked, records[0].messages[-1]["content"].replace("% 7", "% 99")) is None  # out of range
+
+
+def test_variants_pose_a_right_episode_again_with_other_constants_in_every_turn(code_env):
+    from components.envs.code import TASKS, parse_task
+    from components.envs.hindsight import vary_episodes
+    from components.envs.rollout import episode_batch
+
+    seq = TASKS[4][0]  # a0 = c, a(i+1) = (a(i) * k + 1) % m
+    params = {"k": 5, "c": 19, "m": 13}
+    asked = code_env.task(4, seq, params)
+    records, _ = replay(code_env, [asked])  # its reference episode: run_tests on the program, then the answer
+    [rec] = records
+    assert rec.right and [t.tool_name for t in rec.turns if t.role == "tool"] == ["run_tests"]
+    batch = episode_batch(code_env, records, 1, experiment="e", round=1, purpose="train", policy_model_id="e/p",
+                          seed=0, temperature=1.0, top_p=1.0, max_new_tokens=120)
+    [src] = batch.trajectories
+    chats = {src["trajectory_id"]: rec.messages}
+    got, sources = vary_episodes(code_env, [src], batch.tables["problems"], chats, 3, 0, experiment="e", round=1)
+    assert len(got.trajectories) == 3 and set(sources.values()) == {src["trajectory_id"]}
+    held_out = {p.problem_id for p in code_env.test_set(4)}
+    for t in got.trajectories:
+        level, template, drawn = parse_task(t["prompt"])
+        assert (level, template) == (4, seq) and drawn != params and t["problem_id"] not in held_out
+        assert t["purpose"] == "variant" and got.rewards[t["trajectory_id"]] == 1.0
+        program = code_env.task(4, seq, drawn).meta["solution"]
+        turns = [r for r in got.tables["turns"] if r["trajectory_id"] == t["trajectory_id"]]
+        # The program is written with the drawn constants in both turns, the tests' call and the answer, and the
+        # tests ran again on the variant's task.
+        call, answer = [r["content"] for r in turns if r["role"] == "assistant"]
+        assert json.dumps(program)[1:-1] in call and f"```python\n{program}\n```" in answer
+        total = len(code_env.task(4, seq, drawn).meta["tests"])
+        assert [r["content"] for r in turns if r["role"] == "tool"] == [f"{total}/{total} tests passed"]
+    again, _ = vary_episodes(code_env, [src], batch.tables["problems"], chats, 3, 0, experiment="e", round=1)
+    assert [t["problem_id"] for t in again.trajectories] == [t["problem_id"] for t in got.trajectories]  # seeded
+    # No variant of an answer with other constants than the asked ones, nor of another program.
+    slipped = rec.messages[-1]["content"].replace("% 13", "% 7")
+    assert code_env.score(asked, slipped) == 0.0 and code_env.variants(asked, [slipped], 3, random.Random(0)) == []
+    assert code_env.variants(asked, ["no code at all"], 3, random.Random(0)) == []
 
 
 # -- adapters ----------------------------------------------------------------------------------
