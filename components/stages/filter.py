@@ -89,9 +89,10 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
     considered = trajs + hindsight.get("trajectories", [])
     rows = rft_filter(considered, correct, scores, experiment=spec.experiment, round=spec.round, dedup=f.dedup,
                       max_per_problem=f.max_per_problem, step_rejects=rejects)
-    too_long = replays_too_long(spec, hindsight) if f.replays else set()
+    chosen = {r["trajectory_id"] for r in rows if r["selected"]}
+    too_long = replays_too_long(spec, hindsight, chosen) if f.replays else set()
     for r in rows:  # a replay longer than SFT takes: its new task's observations can outgrow the source's
-        if r["selected"] and r["trajectory_id"] in too_long:
+        if r["trajectory_id"] in too_long:
             r.update(selected=False, rank=None,
                      reason=f"over train_policy.max_length={spec.cfg().train_policy.max_length} tokens")
     capped = 0
@@ -168,31 +169,32 @@ def relabeled(spec: StageSpec, env: Any, trajs: list[dict[str, Any]], correct: d
     problems, chats = spec.rows("generate", "problems"), conversations(spec.rows("generate", "turns"))
     batch, sources = EpisodeBatch(), {}
     answered = [t for t in trajs if t["finish_reason"] == "done"]
-    for on, run in ((cfg.filter.hindsight, lambda: relabel_episodes(
-                        env, [t for t in answered if correct.get(t["trajectory_id"]) is False], problems, chats,
-                        experiment=spec.experiment, round=spec.round)),
-                    (cfg.filter.variants is not None, lambda: vary_episodes(
-                        env, [t for t in answered if correct.get(t["trajectory_id"])], problems, chats,
-                        cfg.filter.variants, cfg.seed, experiment=spec.experiment, round=spec.round))):
-        if on:
-            more, from_ = run()
-            batch.extend(more)
-            sources |= from_
+    if cfg.filter.hindsight:
+        more, from_ = relabel_episodes(env, [t for t in answered if correct.get(t["trajectory_id"]) is False],
+                                       problems, chats, experiment=spec.experiment, round=spec.round)
+        batch.extend(more)
+        sources |= from_
+    if cfg.filter.variants is not None:
+        more, from_ = vary_episodes(env, [t for t in answered if correct.get(t["trajectory_id"])], problems, chats,
+                                    cfg.filter.variants, cfg.seed, experiment=spec.experiment, round=spec.round)
+        batch.extend(more)
+        sources |= from_
     return batch.tables | {"verifications": verification_rows(env, batch, spec.code_version or "dev")}, sources
 
 
-def replays_too_long(spec: StageSpec, tables: dict[str, list[dict[str, Any]]]) -> set[str]:
-    """The filter's replayed episodes (`relabeled`) longer than train_policy.max_length, measured with the round's
-    policy's chat template as SFT encodes them."""
+def replays_too_long(spec: StageSpec, tables: dict[str, list[dict[str, Any]]], selected: set[str]) -> set[str]:
+    """The filter's replayed episodes (`relabeled`) among `selected` longer than train_policy.max_length, measured
+    with the round's policy's chat template as SFT encodes them: those SFT would train on, and no others."""
     from transformers import AutoTokenizer
 
     from components.envs.agent import ChatEncoder
     from components.envs.hindsight import longer_than
 
     limit, uri = spec.cfg().train_policy.max_length, spec.inputs_as(Inputs).policy_uri
-    if limit is None or not tables.get("turns"):
+    turns = [t for t in tables.get("turns", []) if t["trajectory_id"] in selected]
+    if limit is None or not turns:
         return set()
-    return longer_than(tables, ChatEncoder(AutoTokenizer.from_pretrained(uri), uri), limit)
+    return longer_than({"turns": turns}, ChatEncoder(AutoTokenizer.from_pretrained(uri), uri), limit)
 
 
 def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, Any]],
