@@ -8,6 +8,9 @@
 2. Throughput: `--runs` executions of the code environment's test harness on a right solution (a real
    `run_tests` call: the solution, its tests, one JSON line back), from `--workers` threads: executions per
    second, and the p50 and p99 latency of one execution. Goal: >= 50/s on 2 cores, p50 <= 50 ms.
+3. The same execution from a caller holding `--parent-gb` GiB of written memory, as a stage holding a model
+   does: its p50 latency, one at a time, against the bare caller's. Starting a process must not copy the
+   caller's page tables (a `preexec_fn` makes Python fork; without one it vforks).
 
 Figures go to stdout and to `--out` (JSON).
 """
@@ -92,6 +95,24 @@ def throughput(env: CodeEnv, runs: int, workers: int) -> dict:
             "p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))]}
 
 
+def heavy_caller(env: CodeEnv, runs: int, gb: float) -> dict:
+    problem = env.sample_problems(2, 1, seed=0)[0]
+
+    def p50() -> float:
+        lat = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            env.run_tests(problem, problem.meta["solution"])
+            lat.append(time.perf_counter() - t0)
+        return 1000 * statistics.median(lat)
+
+    bare = p50()
+    ballast = bytearray(b"\x01") * int(gb * (1 << 30))  # written, so every page is the caller's own
+    heavy = p50()
+    del ballast
+    return {"runs": runs, "parent_gb": gb, "bare_p50_ms": bare, "heavy_p50_ms": heavy}
+
+
 def main(a: argparse.Namespace) -> dict:
     env = CodeEnv()
     table = attack_table(env.sandbox)
@@ -102,7 +123,10 @@ def main(a: argparse.Namespace) -> dict:
     cores = len(os.sched_getaffinity(0))
     print(f"\n{t['runs']} sandboxed test runs from {t['workers']} threads on {cores} cores: {t['per_s']:.1f}/s "
           f"(goal >= 50), p50 {t['p50_ms']:.1f} ms (goal <= 50), p99 {t['p99_ms']:.1f} ms; {t['ok']} passed")
-    figures = {"attacks": table, "throughput": t, "cores": cores}
+    h = heavy_caller(env, max(1, a.runs // 4), a.parent_gb)
+    print(f"one at a time, {h['runs']} runs: p50 {h['bare_p50_ms']:.1f} ms from a bare caller, "
+          f"{h['heavy_p50_ms']:.1f} ms from one holding {h['parent_gb']:g} GiB")
+    figures = {"attacks": table, "throughput": t, "heavy_caller": h, "cores": cores}
     Path(a.out).write_text(json.dumps(figures, indent=2) + "\n")
     return figures
 
@@ -111,5 +135,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=400)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--parent-gb", type=float, default=2.0, help="memory the caller holds in part 3")
     ap.add_argument("--out", default="/tmp/sandbox-bench.json")
     main(ap.parse_args())

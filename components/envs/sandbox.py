@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -39,6 +38,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 BWRAP = "bwrap"
+PRLIMIT = "prlimit"  # util-linux, as `setpriv` is
 PYTHON = "/usr/bin/python3"  # the system's: the sandbox binds /usr, never coevo's virtual environment
 ISOLATIONS = ("bwrap", "none")
 # The sandbox's own uids, where coevo runs as root: each execution takes the next, so RLIMIT_NPROC (which
@@ -94,6 +94,9 @@ class Sandbox:
             raise ValueError(f"sandbox isolation must be one of {ISOLATIONS}, got {isolation!r}")
         self.limits = limits or Limits()
         self.isolation = isolation
+        if shutil.which(PRLIMIT) is None:
+            raise SandboxError("prlimit is not installed: it sets the sandbox's rlimits (Debian: apt-get install "
+                               "util-linux)")
         if isolation == "none":
             log.warning("sandbox isolation is 'none': model-written code runs on this host with rlimits only, "
                         "and can read its files and reach its network")
@@ -151,19 +154,15 @@ class Sandbox:
         # As root, the run has a uid of its own (`setpriv`), and the limit counts its processes alone. Otherwise
         # the limit counts every process of the user's uid: the run may start `processes` more than it has.
         nproc = lim.processes if os.geteuid() == 0 else lim.processes + _user_processes()
-
-        def limit() -> None:  # in the child, before exec: inherited by the whole tree
-            resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb << 20,) * 2)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_mb << 20,) * 2)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files,) * 2)
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc,) * 2)
-
+        # `prlimit` sets the limits and execs the rest, so the whole tree inherits them. A `preexec_fn` would do the
+        # same, but it makes Python fork the caller, page tables and all (a policy's weights, in a stage), where
+        # without one it vforks.
+        limit = [PRLIMIT, f"--cpu={lim.cpu_s}:{lim.cpu_s + 1}", f"--as={lim.memory_mb << 20}",
+                 f"--fsize={lim.file_mb << 20}", f"--nofile={lim.open_files}", "--core=0", f"--nproc={nproc}", "--"]
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd, "PYTHONDONTWRITEBYTECODE": "1"}
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, preexec_fn=limit, start_new_session=True, pass_fds=tuple(fds))
+        proc = subprocess.Popen(limit + cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, start_new_session=True, pass_fds=tuple(fds))
         out, err, why = _collect(proc, stdin.encode(), lim.output_bytes, t0 + lim.wall_s)
         if why is not None:
             _kill(proc)

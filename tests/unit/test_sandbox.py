@@ -136,6 +136,23 @@ def test_a_missing_bubblewrap_is_a_setup_error(monkeypatch):
         Sandbox(LIMITS)
 
 
+@pytest.mark.parametrize("isolation", ["bwrap", "none"])
+def test_the_program_runs_under_every_rlimit(isolation, caplog):
+    program = ("import resource as r\n"
+               "print([r.getrlimit(getattr(r, 'RLIMIT_' + n)) for n in ('CPU', 'AS', 'FSIZE', 'NOFILE', 'CORE')])")
+    got = Sandbox(LIMITS, isolation=isolation).run_python(program)
+    assert got.ok, got.stderr
+    assert eval(got.stdout) == [(LIMITS.cpu_s, LIMITS.cpu_s + 1), (LIMITS.memory_mb << 20,) * 2,
+                                (LIMITS.file_mb << 20,) * 2, (LIMITS.open_files,) * 2, (0, 0)]
+
+
+def test_a_missing_prlimit_is_a_setup_error(monkeypatch):
+    monkeypatch.setattr("components.envs.sandbox.PRLIMIT", "prlimit-not-installed")
+    for isolation in ("bwrap", "none"):
+        with pytest.raises(SandboxError, match="prlimit is not installed"):
+            Sandbox(LIMITS, isolation=isolation)
+
+
 def test_bad_limits_and_file_names_are_refused(sandbox):
     with pytest.raises(ValueError, match="sandbox limit wall_s must be > 0"):
         Limits(wall_s=0)
