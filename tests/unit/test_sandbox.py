@@ -137,7 +137,7 @@ def test_a_missing_bubblewrap_is_a_setup_error(monkeypatch):
 
 
 @pytest.mark.parametrize("isolation", ["bwrap", "none"])
-def test_the_program_runs_under_every_rlimit(isolation, caplog):
+def test_the_program_runs_under_every_rlimit(isolation):
     program = ("import resource as r\n"
                "print([r.getrlimit(getattr(r, 'RLIMIT_' + n)) for n in ('CPU', 'AS', 'FSIZE', 'NOFILE', 'CORE')])")
     got = Sandbox(LIMITS, isolation=isolation).run_python(program)
