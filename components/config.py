@@ -954,17 +954,14 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{where}: filter.step_dpo_pairs takes an environment's pairs from its turn trees, two "
                              "stored episodes that part at sibling turns; Monte Carlo turn labels keep no winning "
                              "continuation to pair with: set score.tree (with generate.mcts or score.tree.search)")
-        unsupported = {f"score.reward_model={rm}": rm not in REWARD_MODEL_NAMES,
-                       "filter.check_steps": self.filter.check_steps}
-        bad = [k for k, v in unsupported.items() if v]
-        if bad:
-            raise ValueError(f"{where}: the agent loop does not support {', '.join(bad)} yet; MCTS over turns "
+        if rm not in REWARD_MODEL_NAMES:
+            raise ValueError(f"{where}: the agent loop does not support score.reward_model={rm} yet; MCTS over turns "
                              "(generate.mcts, and score.tree on its trees), Monte Carlo turn labels (score.mc_rollouts, "
                              "mc_strategy every_prefix or first_error), turn trees grown in score (score.tree.search), the "
                              "PRM, the implicit PRM, the sampler's confidence, the ORM, best-of-N, PRM-guided turns "
                              "(generate.search), the compute curve over turns (evaluate.search), DPO on episodes and "
-                             "on a turn tree's step pairs, waves until right (generate.until_correct), and grpo's step "
-                             "credit work")
+                             "on a turn tree's step pairs, waves until right (generate.until_correct), grpo's step "
+                             "credit and filter.check_steps (the environment's check_episode) work")
 
     def check_startable(self, model: bool = True) -> None:
         """Raise ConfigError, naming the field, where the experiment could not start on this machine: a model

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from components.domains.base import Domain, Problem
+from components.domains.base import Domain, Problem, step_verdicts
 from components.generation import GeneratedBatch, generate
 from components.models.backends import GenerationBackend
 from components.verification import verify
@@ -53,21 +53,25 @@ def evaluate(
 
 
 def outcome_rows(domain: Domain, problems: list[Problem], trajectories: list[dict[str, Any]], correct: dict[str, bool],
-                 *, maj_k: int, experiment: str, round: int, model_id: str) -> list[dict[str, Any]]:
+                 *, maj_k: int, experiment: str, round: int, model_id: str,
+                 turns: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """`evaluations` rows of held-out trajectories: greedy accuracy (sample 0) and, with `maj_k` > 1, maj@k and
-    pass@k over samples 1..maj_k of each problem."""
+    pass@k over samples 1..maj_k of each problem. `turns`: an environment's episodes' rows, which its step checker
+    reads."""
     per_level: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     samples_by_problem: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for t in trajectories:
         if t["sample_index"] > 0:
             samples_by_problem[t["problem_id"]].append(t)
     level_of = {p.problem_id: p.level for p in problems}
-    for t in (t for t in trajectories if t["sample_index"] == 0):
+    greedy = [t for t in trajectories if t["sample_index"] == 0]
+    verdicts = step_verdicts(domain, greedy, turns)
+    for t in greedy:
         right = correct[t["trajectory_id"]]
         per_level[t["level"]]["greedy_acc"].append(float(right))
         # Where the domain has a step checker: right answers whose worked steps also check out (the skipped
         # operations and cancelling slips an outcome verifier lets through), for evaluation only.
-        sound = domain.check_steps(t["prompt"], t["completion"])
+        sound = verdicts[t["trajectory_id"]]
         if sound is not None:
             per_level[t["level"]]["greedy_sound_acc"].append(float(right and sound))
             if right:

@@ -106,6 +106,25 @@ class Domain(Protocol):
         ...
 
 
+def step_verdicts(domain: Domain, trajectories: list[dict[str, Any]],
+                  turns: list[dict[str, Any]] | None = None) -> dict[str, bool | None]:
+    """The domain's step checker (filter.check_steps) on each trajectory, by id: `check_steps` on its prompt and
+    completion, or for an environment's episodes (`turns`: their stored rows) `check_episode` on its turns. None
+    where the domain has no checker.
+
+    >>> from components.domains.arith import ArithDomain
+    >>> step_verdicts(ArithDomain(), [{"trajectory_id": "a", "prompt": "3+4\\n", "completion": "3+4=7\\n#### 7\\n"}])
+    {'a': True}
+    """
+    episodic = getattr(domain, "check_episode", None)
+    if turns is None or episodic is None:
+        return {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajectories}
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for row in turns:
+        by_id.setdefault(row["trajectory_id"], []).append(row)
+    return {t["trajectory_id"]: episodic(t["prompt"], by_id.get(t["trajectory_id"], [])) for t in trajectories}
+
+
 class FileProblems:
     """The `Domain` methods of a dataset held in memory: `_train` and `_test` problem lists, read from files
     by the domain (`gsm8k`, `jsonl`), with its `name` and `test_size` (held-out problems per level, None: all)."""

@@ -29,11 +29,13 @@ from dataclasses import dataclass
 from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeLimits, Message, Tool
-from components.envs.episodes import LeveledProblems, ToolEpisode, reference_messages
+from components.envs.episodes import Called, LeveledProblems, ToolEpisode, reference_messages
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
         ast.Mod: operator.mod}
 _ANSWER = re.compile(r"####\s*(-?\d+)\s*$")
+_QUESTION = re.compile(r"What is (.+)\?")
+_NUMBER = re.compile(r"\d+")
 # Level: (digits of a, digits of b, whether a third number is added)
 _SHAPES = {1: (1, 1, False), 2: (2, 1, False), 3: (2, 2, True), 4: (3, 2, True), 5: (3, 3, True)}
 
@@ -96,6 +98,29 @@ class CalculatorEnv(LeveledProblems):
 
     def score(self, problem: Problem, text: str, context: None = None) -> float:
         return float(self.extract_answer(text) == problem.answer)
+
+    def check_answer(self, prompt: str, calls: list[Called], answer: str) -> bool:
+        """The answer repeats what the last `calculate` returned, and that call computed the question's
+        expression from the question's own numbers: an answer written without the tool, one that ignores its
+        result, or a call on the answer itself or on part of the question does not check out.
+
+        >>> env, c = CalculatorEnv(), lambda e, out: Called("calculate", {"expression": e}, out, True)
+        >>> q = "What is 30*48+73?"
+        >>> [env.check_answer(q, calls, "#### 1513") for calls in
+        ...  ([c("30*48+73", "1513")], [c("73+48*30", "1513")], [c("1513", "1513")], [c("30*48", "1440")], [])]
+        [True, True, False, False, False]
+        """
+        asked = _QUESTION.fullmatch(prompt.strip())
+        done = [c for c in calls if c.name == "calculate" and c.arguments is not None]
+        if asked is None or not done:
+            return False
+        expression = str(done[-1].arguments.get("expression", ""))
+        try:
+            same = calculate(expression) == calculate(asked.group(1))
+        except ValueError:
+            return False
+        return (same and sorted(_NUMBER.findall(expression)) == sorted(_NUMBER.findall(asked.group(1)))
+                and self.extract_answer(answer) == done[-1].observation.strip())
 
     def reference_episode(self, problem: Problem) -> list[Message]:
         """One call to the calculator, then the answer."""

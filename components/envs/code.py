@@ -36,10 +36,11 @@ from typing import Any
 from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeLimits, Message, Tool
-from components.envs.episodes import FileProblems, ToolEpisode, reference_messages
+from components.envs.episodes import Called, FileProblems, ToolEpisode, reference_messages
 from components.envs.sandbox import ExecResult, Limits, Sandbox
 
 _PY_BLOCK = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
+_PASSED = re.compile(r"(\d+)/(\d+) tests passed")
 
 # The harness the sandbox runs: the solution, then each test in its own namespace. It imports nothing (an
 # import costs the sandboxed interpreter about 16 ms here) and prints one line: a nonce it read from stdin
@@ -397,6 +398,25 @@ class CodeEnv(FileProblems):
     def score(self, problem: Problem, text: str, context: None = None) -> float:
         passed, _ = self.run_tests(problem, answer_code(text))
         return float(passed == len(problem.meta["tests"]))
+
+    def check_answer(self, prompt: str, calls: list[Called], answer: str) -> bool:
+        """The answer is the program the episode last ran with `run_tests`, and that run passed every test: the
+        agent answered what it had tested. An answer written without a run, or changed after its last one, does
+        not check out.
+
+        >>> env, run = CodeEnv(), lambda code, out: Called("run_tests", {"code": code}, out, True)
+        >>> ok, bad = "def f(x):\\n    return x", "def f(x):\\n    return 0"
+        >>> answer = "```python\\n" + ok + "\\n```"
+        >>> [env.check_answer("", calls, answer) for calls in ([run(bad, "1/3 tests passed"), run(ok, "3/3 tests passed")],
+        ...  [run(ok, "3/3 tests passed"), run(bad, "1/3 tests passed")], [run(ok, "2/3 tests passed")], [])]
+        [True, False, False, False]
+        """
+        runs = [c for c in calls if c.name == "run_tests" and c.arguments is not None]
+        if not runs:
+            return False
+        passed = _PASSED.match(runs[-1].observation)
+        return (passed is not None and passed.group(1) == passed.group(2)
+                and str(runs[-1].arguments.get("code", "")).strip() == answer_code(answer))
 
     def reference_episode(self, problem: Problem) -> list[Message]:
         """The solution tried with `run_tests`, its report, then the same solution as the answer. A

@@ -26,7 +26,8 @@ class LeveledProblems:
 
     It also gives an environment the rest of the `Domain` methods the stages call. An episode's steps are its
     assistant turns, which the agent loop stores itself; its outcome is the environment's `score`, run on the
-    episode's last turn (`verify_episodes`), not a text verifier; there is no step checker or oracle."""
+    episode's last turn (`verify_episodes`), not a text verifier; there is no oracle. Its step checker reads the
+    stored turns (`check_episode`), not the transcript (`check_steps`)."""
 
     name: str
     max_level: int
@@ -52,7 +53,31 @@ class LeveledProblems:
         return None
 
     def check_steps(self, prompt: str, completion: str) -> None:
-        return None
+        return None  # an episode is checked on its turns: check_episode
+
+    def check_episode(self, prompt: str, turns: list[dict[str, Any]]) -> bool | None:
+        """filter.check_steps on an episode (its `turns` rows): do its worked turns check out, executed against
+        the problem and compared with no gold answer? Every tool call must have run: a malformed call, an unknown
+        tool, wrong arguments or a tool's own error is a step that did not check out, though the episode may
+        have gone on to answer right. Then the episode must have answered, and `check_answer` reads the answer
+        against what the calls returned. None where the environment offers no tool (nothing was worked).
+
+        >>> from components.envs.calculator import CalculatorEnv
+        >>> env = CalculatorEnv()
+        >>> p = env.sample_problems(level=3, n=1, seed=0)[0]
+        >>> turns = turn_rows(env.reference_episode(p))
+        >>> env.check_episode(p.prompt, turns), env.check_episode(p.prompt, turns[:-1])  # no answer turn
+        (True, False)
+        """
+        if not self.tools:
+            return None
+        calls, answer = episode_calls(turns)
+        return answer is not None and all(c.ok for c in calls) and self.check_answer(prompt, calls, answer)
+
+    def check_answer(self, prompt: str, calls: list[Called], answer: str) -> bool:
+        """Does the answer turn follow from what the episode's calls returned? Every call ran (`check_episode`);
+        an environment says what its answer must repeat. By default anything."""
+        return True
 
     def levels(self) -> list[int]:
         return list(range(1, self.max_level + 1))
@@ -143,6 +168,56 @@ class FileProblems(LeveledProblems):
         while len(out) < n:
             out.extend(rng.sample(pool, min(len(pool), n - len(out))))
         return out
+
+
+@dataclass(frozen=True)
+class Called:
+    """A tool call an episode made, with what came back: `arguments` None where the call could not be read."""
+    name: str
+    arguments: dict[str, Any] | None
+    observation: str
+    ok: bool
+
+
+def episode_calls(turns: list[dict[str, Any]]) -> tuple[list[Called], str | None]:
+    """An episode's tool calls in order, each with its observation, read from its `turns` rows (the calls from
+    the assistant turns, as the environment parsed them); and its answer, the last assistant turn where it holds
+    no call (None: the episode never answered). A call that did not run is `ok=False`: where a row does not
+    say (`tool_ok` null), an observation that starts with "error:" did not.
+
+    >>> calls, answer = episode_calls(turn_rows([
+    ...     {"role": "user", "content": "What is 2*3?"},
+    ...     {"role": "assistant", "content": '<tool_call>{"name": "calculate"</tool_call>'},
+    ...     {"role": "tool", "name": "invalid", "content": "error: tool call 1 is not valid JSON"},
+    ...     {"role": "assistant", "content": '<tool_call>{"name": "calculate", "arguments": {"expression": "2*3"}}'
+    ...                                      '</tool_call>'},
+    ...     {"role": "tool", "name": "calculate", "content": "6"},
+    ...     {"role": "assistant", "content": "#### 6"}]))
+    >>> [(c.name, c.arguments, c.observation, c.ok) for c in calls], answer
+    ([('invalid', None, 'error: tool call 1 is not valid JSON', False), ('calculate', {'expression': '2*3'}, '6', True)], '#### 6')
+    """
+    calls: list[Called] = []
+    pending: list[tuple[str, dict[str, Any] | None]] = []
+    answer = None
+    for t in sorted(turns, key=lambda t: t["turn_index"]):
+        if t["role"] == "assistant":
+            action = toolcalls.parse(t["content"])
+            # The environment answers a turn's unreadable calls first, with one error observation (`call_tools`).
+            pending = [("invalid", None)] * bool(action.parse_error) + [(c.name, c.arguments) for c in action.tool_calls]
+            answer = None if pending else t["content"]
+        elif t["role"] == "tool":
+            name, arguments = pending.pop(0) if pending else (t.get("tool_name") or "invalid", None)
+            ok = t.get("tool_ok")
+            calls.append(Called(name, arguments, t["content"],
+                                not t["content"].startswith("error:") if ok is None else bool(ok)))
+    return calls, answer
+
+
+def turn_rows(messages: list[Message]) -> list[dict[str, Any]]:
+    """Chat messages (a reference episode's) as the `turns` rows the store holds of them, for `check_episode`."""
+    return [{"turn_index": i, "role": m["role"], "content": m["content"],
+             "tool_name": m.get("name") if m["role"] == "tool" else None, "tool_ok": None}
+            for i, m in enumerate(messages)]
 
 
 @dataclass

@@ -47,7 +47,7 @@ from pathlib import Path
 from components.domains.base import Problem
 from components.envs import toolcalls
 from components.envs.base import EpisodeLimits, Message, Tool
-from components.envs.episodes import FileProblems, ToolEpisode, reference_messages
+from components.envs.episodes import Called, FileProblems, ToolEpisode, reference_messages
 
 NAMES = ["Ada", "Ben", "Cleo", "Dan", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lea", "Max", "Nia",
          "Omar", "Pia", "Quin", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Xia", "Yara", "Zoe"]
@@ -56,6 +56,7 @@ DEPTS = ["Sales", "Research", "Support", "Legal", "Design", "Finance"]
 COUNTRIES = ["Chile", "Japan", "Kenya", "Peru", "Spain"]
 CATEGORIES = ["books", "games", "tools", "toys"]
 _SQL_BLOCK = re.compile(r"```sql\s*(.*?)```", re.S | re.I)
+_LITERAL = re.compile(r"'((?:[^']|'')*)'")
 _ALLOWED = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
 
 
@@ -365,6 +366,22 @@ class SqlEnv(FileProblems):
             return False
         want, got = [_norm(r) for r in want], [_norm(r) for r in got]
         return want == got if problem.meta["ordered"] else Counter(want) == Counter(got)
+
+    def check_answer(self, prompt: str, calls: list[Called], answer: str) -> bool:
+        """Every value the answer quotes is one the question or a query's rows showed: an answer that filters on
+        a spelling it never saw (`lookup_values`: 'KENYA' where the question says Kenya) does not check out, even
+        where the guess was right. LIKE's wildcards at either end are not part of the value.
+
+        >>> env, seen = SqlEnv(), [Called("run_sql", {"query": "SELECT DISTINCT country FROM customers"},
+        ...                               "country\\nKENYA\\nPERU", True)]
+        >>> q = "Question: How many customers live in Kenya?"
+        >>> [env.check_answer(q, calls, f"```sql\\nSELECT count(*) FROM customers WHERE country {cond}\\n```")
+        ...  for calls, cond in [(seen, "= 'KENYA'"), ([], "= 'KENYA'"), ([], "LIKE 'Ken%'"), ([], "= 'Kenya'")]]
+        [True, False, True, True]
+        """
+        shown = [prompt] + [c.observation for c in calls]
+        values = [v.replace("''", "'").strip("%") for v in _LITERAL.findall(answer_query(answer))]
+        return all(any(v in text for text in shown) for v in values)
 
     def reference_episode(self, problem: Problem) -> list[Message]:
         """One exploratory query, its result, then the gold query as the answer; with `explore=False`, the answer

@@ -188,7 +188,7 @@ def evaluation_rows(spec: StageSpec, problems: list, trajectories: list[dict[str
     e = cfg.evaluate
     correct = {v["trajectory_id"]: bool(v["correct"]) for v in vers}
     rows = outcome_rows(domain, problems, trajectories, correct, maj_k=e.maj_k, experiment=spec.experiment,
-                        round=spec.round, model_id=inp.policy_model_id)
+                        round=spec.round, model_id=inp.policy_model_id, turns=tables.get("turns"))
     roles = [role for role in ROLES if getattr(inp, f"{role}_uri")]
     if not roles:
         return rows
@@ -229,7 +229,7 @@ def row_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def merge(spec: StageSpec, shard_metrics: list[dict[str, float]], read) -> tuple[dict[str, float], dict]:
     """The `evaluations` rows over every shard's trajectories (a mean of means, or an F1 of F1s, would be wrong)."""
-    tables = {t: read(t) for t in ("scores", "step_labels")}
+    tables = {t: read(t) for t in ("scores", "step_labels", *(("turns",) if is_agent(domain_of(spec)) else ()))}
     rows = evaluation_rows(spec, held_out(spec), read("trajectories"), read("steps"), read("verifications"), tables)
     return merged_counts(shard_metrics) | row_metrics(rows), {"evaluations": rows}
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from components.jobs.spec import StageSpec
 from components.manifest import StageOutputWriter
+from components.domains.base import step_verdicts
 from components.stages.base import Planner, Stage, domain_of, log, steps_by_trajectory, write
 
 # Reward models rank in this order where a round has several; a user's reward model (dotted path) after them.
@@ -57,7 +58,7 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         judged_scores, _ = ranking_scores(judge_rows, [], f.rank_by)
         scores, source = scores | judged_scores, f"judge {f.rank_by} (right answers)"
     domain = domain_of(spec)
-    checker = {t["trajectory_id"]: domain.check_steps(t["prompt"], t["completion"]) for t in trajs}
+    checker = step_verdicts(domain, trajs, episode_turns(spec, domain))
     has_checker = any(v is not None for v in checker.values())
     mc_dead: dict[str, int] = {}
     if f.drop_mc_bad_steps:
@@ -79,7 +80,6 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
                 "second_threshold": second_threshold}
     # The learned judges (Monte Carlo labels, the step reward model) apart from the checker, to measure them by it.
     judged = step_rejects(ids, mc_dead_step=mc_dead, **opinions)
-    rejects = step_rejects(ids, checker=checker if f.check_steps else None, mc_dead_step=mc_dead, **opinions)
     hindsight: dict[str, list[dict[str, Any]]] = {}
     sources: dict[str, str] = {}
     if f.replays:  # wrong episodes relabeled with the task they solved, right ones posed again: they join the right
@@ -87,6 +87,10 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         correct = correct | {t: True for t in sources}
     purpose = {t["trajectory_id"]: t["purpose"] for t in hindsight.get("trajectories", [])}
     considered = trajs + hindsight.get("trajectories", [])
+    # filter.check_steps checks a replayed episode too, on its turns as replayed.
+    replayed = step_verdicts(domain, hindsight["trajectories"], hindsight["turns"]) if hindsight and f.check_steps else {}
+    rejects = step_rejects([t["trajectory_id"] for t in considered], checker=checker | replayed if f.check_steps else None,
+                           mc_dead_step=mc_dead, **opinions)
     rows = rft_filter(considered, correct, scores, experiment=spec.experiment, round=spec.round, dedup=f.dedup,
                       max_per_problem=f.max_per_problem, step_rejects=rejects)
     chosen = {r["trajectory_id"] for r in rows if r["selected"]}
@@ -211,7 +215,8 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     missing = [t["trajectory_id"] for t in trajs if t["trajectory_id"] not in outcome]
     if missing:
         raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
-    checked = steps_checked(domain_of(spec), trajs, outcome) if cfg.filter.check_steps else {}
+    domain = domain_of(spec)
+    checked = steps_checked(domain, trajs, outcome, episode_turns(spec, domain)) if cfg.filter.check_steps else {}
     failed = sorted(t for t, ok in checked.items() if not ok)
     if checked:  # rft drops these right answers; here they earn a wrong answer's reward, or keep their own
         zeroed = g.unsound_reward == "zero"
@@ -245,7 +250,7 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round, "process": None,
                  "process_return": None, "steps_checked": checked.get(r["trajectory_id"])} for r in rows]
     turn_rows = step_advantages(rows, process, g.shaping_weight) if process else []
-    if is_agent(domain_of(spec)):
+    if is_agent(domain):
         turn_rows = episode_turn_rows(rows, turn_rows, spec.rows("generate", "turns"))
     selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
                    "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}
@@ -301,17 +306,27 @@ def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, f
     metrics = {"ptx_judged_out": float(len(out))}
     if weakest:
         metrics["judge_min_step_score"] = threshold
-        checker = checked or steps_checked(domain_of(spec), [t for t in right if t["trajectory_id"] in weakest],
-                                           dict.fromkeys(weakest, 1.0))
+        domain = domain_of(spec)
+        checker = checked or steps_checked(domain, [t for t in right if t["trajectory_id"] in weakest],
+                                           dict.fromkeys(weakest, 1.0), episode_turns(spec, domain))
         if checker:  # evaluation only: the checker measures the judge, whether or not it zeroes rewards
             metrics |= judge_catch_rates(dict.fromkeys(weakest, True), checker, out)
             metrics |= judge_ranking(weakest, checker)
     return rows, metrics
 
 
-def steps_checked(domain: Any, trajs: list[dict[str, Any]], outcome: dict[str, float]) -> dict[str, bool]:
+def episode_turns(spec: StageSpec, domain: Any) -> list[dict[str, Any]] | None:
+    """The round's episodes' turns, which an environment's step checker reads; None for a text domain."""
+    from components.envs.rollout import is_agent
+
+    return spec.rows("generate", "turns") if is_agent(domain) else None
+
+
+def steps_checked(domain: Any, trajs: list[dict[str, Any]], outcome: dict[str, float],
+                  turns: list[dict[str, Any]] | None = None) -> dict[str, bool]:
     """filter.check_steps under recipe grpo: the domain's step checker on each right answer (outcome > 0), by
-    trajectory id; a domain without a checker (it answers None) checks nothing.
+    trajectory id; a domain without a checker (it answers None) checks nothing. `turns`: an environment's
+    episodes' rows (`step_verdicts`).
 
     >>> from components.domains.arith import ArithDomain
     >>> trajs = [{"trajectory_id": t, "prompt": "3+4-2\\n", "completion": c} for t, c in
@@ -319,11 +334,8 @@ def steps_checked(domain: Any, trajs: list[dict[str, Any]], outcome: dict[str, f
     >>> steps_checked(ArithDomain(), trajs, {"a": 1.0, "b": 1.0, "c": 0.0})
     {'a': True, 'b': False}
     """
-    out = {}
-    for t in trajs:
-        if outcome[t["trajectory_id"]] > 0 and (ok := domain.check_steps(t["prompt"], t["completion"])) is not None:
-            out[t["trajectory_id"]] = ok
-    return out
+    right = [t for t in trajs if outcome[t["trajectory_id"]] > 0]
+    return {tid: ok for tid, ok in step_verdicts(domain, right, turns).items() if ok is not None}
 
 
 def episode_turn_rows(rows: list[dict[str, Any]], step_rows: list[dict[str, Any]],

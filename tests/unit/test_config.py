@@ -256,9 +256,10 @@ def test_an_agent_environment_refuses_what_its_loop_does_not_do_naming_the_setti
     assert load_config_dict(base | tree).score.tree.pair_margin == 0.25  # labels from generate's turn trees
     grown = {"score": {"tree": {"search": {"simulations": 4}}}}  # trees grown in score around sampled episodes
     assert load_config_dict(base | grown).score.tree.search.simulations == 4
-    with pytest.raises(ConfigError, match="does not support filter.check_steps yet"):
-        load_config_dict(base | coevo | {"train_reward": {"enabled": True, "orm": True},
-                                         "filter": {"check_steps": True}})
+    # The environment's step checker reads each episode's turns (check_episode).
+    assert load_config_dict(base | {"filter": {"check_steps": True}}).filter.check_steps
+    with pytest.raises(ConfigError, match=r"does not support score.reward_model=tests.toys:Judge yet"):
+        load_config_dict(base | {"score": {"reward_model": "tests.toys:Judge"}})
     # Monte Carlo turn labels, at every turn or by binary search, and grpo's step credit on them.
     grpo = {"recipe": "grpo", "train_policy": {"method": "grpo", "grpo": {"credit": "step", "shaping_weight": 0.5}}}
     assert load_config_dict(base | grpo | {"score": {"mc_rollouts": 2}}).score.mc_rollouts == 2

@@ -748,6 +748,75 @@ def test_sql_lookup_values_are_spelled_per_database_so_only_a_look_at_the_data_a
         assert "spelling" not in p.meta and re.search(r"'([^']+)'", p.meta["gold"]).group(1) in names
 
 
+def checked(env, scripts: dict[str, list[str]], problems) -> list[tuple[float, bool | None]]:
+    """Each problem's scripted episode through the loop: its reward, and the step checker's verdict on its turns
+    as the store keeps them."""
+    runner = EpisodeRunner(scripted(scripts), toolcalls.parse, env.limits)
+    out = []
+    for p, rec in zip(problems, runner.run([(p, env.episode(p)) for p in problems]), strict=True):
+        rows = [{"turn_index": t.turn_index, "role": t.role, "content": t.content, "tool_name": t.tool_name,
+                 "tool_ok": t.ok} for t in rec.turns]
+        out.append((rec.reward, env.check_episode(p.prompt, rows)))
+    return out
+
+
+def test_the_step_checker_passes_every_reference_episode_and_no_right_answer_reached_by_a_shortcut(code_env):
+    """filter.check_steps on episodes (`check_episode`): every reference episode of every level checks out, run
+    through the loop, and each shortcut below is right (reward 1) and does not: a calculator answer written without
+    the tool, from a call on the answer itself, or after a call that did not parse; code answered untested, or
+    changed after its last run; an SQL value spelled as stored but never looked up, or an exploratory query that
+    failed. The one-shot SQL environment has no tool, so nothing to check."""
+    from components.envs.calculator import CalculatorEnv
+    from components.envs.code import flawed
+
+    call = toolcalls.format_call
+    calc, lookup = CalculatorEnv(), SqlEnv(lookup_values=True)
+    for env in (calc, SqlEnv(), lookup, code_env):
+        problems = [p for level in env.levels() for p in env.sample_problems(level, 3, seed=4)]
+        scripts = {p.prompt: [m["content"] for m in env.reference_episode(p) if m["role"] == "assistant"]
+                   for p in problems}
+        assert checked(env, scripts, problems) == [(1.0, True)] * len(problems), env.name
+    one_shot = SqlEnv(explore=False)
+    problems = one_shot.sample_problems(1, 3, seed=4)
+    assert checked(one_shot, {p.prompt: [f"```sql\n{p.meta['gold']}\n```"] for p in problems}, problems) == \
+        [(1.0, None)] * 3
+
+    p = calc.sample_problems(3, 1, seed=4)[0]
+    shortcuts = [[f"#### {p.answer}"], [call("calculate", {"expression": p.answer}), f"#### {p.answer}"],
+                 ['<tool_call>{"name": </tool_call>', call("calculate", {"expression": p.meta["expression"]}),
+                  f"#### {p.answer}"]]
+    for script in shortcuts:
+        assert checked(calc, {p.prompt: script}, [p]) == [(1.0, False)], script
+    p = next(p for p in code_env.sample_problems(4, 20, seed=4) if flawed(p.meta["solution"], random.Random(0)))
+    solution, wrong = p.meta["solution"], flawed(p.meta["solution"], random.Random(0))
+    for script in ([f"```python\n{solution}\n```"],
+                   [call("run_tests", {"code": wrong}), f"```python\n{solution}\n```"]):
+        assert checked(code_env, {p.prompt: script}, [p]) == [(1.0, False)], script
+    p = next(p for p in lookup.sample_problems(1, 40, seed=4) if p.meta["lookup"] and p.meta["spelling"] != "plain")
+    answer = f"```sql\n{p.meta['gold']}\n```"
+    for script in ([answer], [call("run_sql", {"query": "SELECT nothing FROM nowhere"}), answer]):
+        assert checked(lookup, {p.prompt: script}, [p]) == [(1.0, False)], script
+
+
+def test_grpo_checks_right_episodes_on_their_turns():
+    """filter.check_steps under recipe grpo (`steps_checked`): the right episodes' verdicts, from their turns; a wrong
+    one is not checked, and an environment without a tool checks nothing."""
+    from components.envs.calculator import CalculatorEnv
+    from components.stages.filter import steps_checked
+
+    env = CalculatorEnv()
+    p = env.sample_problems(2, 1, seed=4)[0]
+    runner = EpisodeRunner(scripted({p.prompt: [f"#### {p.answer}"]}), toolcalls.parse, env.limits)
+    shortcut = runner.run([(p, env.episode(p))])[0]
+    reference = replay(env, [p])[0][0]
+    turns = [{"trajectory_id": tid, "turn_index": t.turn_index, "role": t.role, "content": t.content,
+              "tool_name": t.tool_name, "tool_ok": t.ok}
+             for tid, rec in (("ref", reference), ("short", shortcut), ("wrong", shortcut)) for t in rec.turns]
+    trajs = [{"trajectory_id": tid, "prompt": p.prompt, "completion": ""} for tid in ("ref", "short", "wrong")]
+    assert steps_checked(env, trajs, {"ref": 1.0, "short": 1.0, "wrong": 0.0}, turns) == {"ref": True, "short": False}
+    assert steps_checked(SqlEnv(explore=False), trajs, {"ref": 1.0, "short": 1.0, "wrong": 0.0}, turns) == {}
+
+
 class WarmGuess(Guess):
     """Guess, rewarding each turn itself (as skyrl-gym environments do): 0.5 for a guess within 2 of the answer."""
 
