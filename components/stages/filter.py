@@ -319,7 +319,10 @@ def episode_turns(spec: StageSpec, domain: Any) -> list[dict[str, Any]] | None:
     """The round's episodes' turns, which an environment's step checker reads; None for a text domain."""
     from components.envs.rollout import is_agent
 
-    return spec.rows("generate", "turns") if is_agent(domain) else None
+    if not is_agent(domain):
+        return None
+    return spec.read("generate", "turns").select(["trajectory_id", "turn_index", "role", "content", "tool_name",
+                                                   "tool_ok"]).to_pylist()
 
 
 def steps_checked(domain: Any, trajs: list[dict[str, Any]], outcome: dict[str, float],
