@@ -11,7 +11,9 @@ Per seed, two arms, each a round-0 policy from configs/sql.yaml's bootstrap on t
 - `one-shot`: `domain.options.explore=false`: one turn, no tool; its reference episodes are the gold query alone.
 
 With `--lookup` both arms run on `domain.options.lookup_values=true` (each database spells its stored values its
-own way, and the question names them plainly), as experiments of their own (`bench-sql-lookup-*`).
+own way, and the question names them plainly), as experiments of their own (`bench-sql-lookup-*`). With
+`--hide-columns`, on `domain.options.hide_columns=true` (each database names its columns its own way, and the
+prompt lists its tables only), as `bench-sql-columns-*`.
 
 Reported from the store (`v_round_summary`): held-out greedy execution match per level by round, and the tokens
 each arm sampled (cumulative), with their mean per episode. Written to `--out` (JSON) too.
@@ -44,6 +46,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--lookup", action="store_true",
                     help="domain.options.lookup_values=true in both arms: stored values spelled per database")
+    ap.add_argument("--hide-columns", action="store_true",
+                    help="domain.options.hide_columns=true in both arms: columns named per database, not in the prompt")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from components.store import Store
@@ -59,9 +63,11 @@ def main() -> None:
         base = [f"workdir={args.workdir}", f"seed={seed}", *SQL_FIRST_FORM]
         for arm, (boot, exp, extra) in ARMS.items():
             boot, exp = boot.format(seed=seed), exp.format(seed=seed)
-            if args.lookup:
-                boot, exp = (x.replace("bench-sql-", "bench-sql-lookup-") for x in (boot, exp))
-                extra = [*extra, "domain.options.lookup_values=true"]
+            for on, form, option in ((args.lookup, "lookup", "lookup_values"), (args.hide_columns, "columns",
+                                                                                   "hide_columns")):
+                if on:
+                    boot, exp = (x.replace("bench-sql-", f"bench-sql-{form}-") for x in (boot, exp))
+                    extra = [*extra, f"domain.options.{option}=true"]
             print(f"[bench] seed {seed}: {arm}", flush=True)
             _run(CONFIG, [*base, f"experiment={boot}", "rounds=0", f"policy.model={model}", *extra],
                  args.workdir / f"{boot}.log")
@@ -74,7 +80,8 @@ def main() -> None:
                 "SELECT sum(num_tokens), count(*) FROM trajectories WHERE experiment_id = ? AND purpose = 'train' "
                 "AND round > 0", [exp])
             per_episode.setdefault(arm, {})[seed] = tokens / max(episodes, 1)
-    print_levels(report, "sql" + (" (lookup_values)" if args.lookup else "") + ": held-out greedy execution match by "
+    forms = [name for on, name in ((args.lookup, "lookup_values"), (args.hide_columns, "hide_columns")) if on]
+    print_levels(report, "sql" + (f" ({', '.join(forms)})" if forms else "") + ": held-out greedy execution match by "
                  "round", "sampled")
     print(f"\nround {args.rounds}, mean over levels, and tokens sampled per training episode")
     for arm, seeds in report.items():

@@ -14,7 +14,11 @@ baseline the agent is measured against (its reference episodes are the gold quer
 `lookup_values=True` each generated database stores its countries, categories, cities and department names in
 a style of its own (as written, UPPER, lower, or a three-letter code, `SPELLINGS`) while the question names them
 plainly, as BIRD's questions name values the data spells otherwise: a filter on one is right only after a look
-at the data, which the reference episodes take (`SELECT DISTINCT country FROM customers`).
+at the data, which the reference episodes take (`SELECT DISTINCT country FROM customers`). With
+`hide_columns=True` each generated database names some of its columns its own way (`COLUMN_NAMES`: `pay`,
+`wage` or `earnings` for the salary) and the prompt lists its tables without their columns, as a database too large for the prompt
+would: a query is right only with this database's names, which the reference episodes read from the tables'
+header (`SELECT * FROM employees, departments WHERE 0`).
 
 Execution is read-only and bounded: an authorizer lets through reads and nothing else (no ATTACH, PRAGMA, writes
 or extensions), a progress handler ends a query past `timeout_s`, and at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
@@ -70,6 +74,23 @@ SPELLINGS = {"plain": str, "upper": str.upper, "lower": str.lower, "code": lambd
 # The parameters that are stored values, and the query that shows how a database spells each.
 LOOKUPS = {"country": "SELECT DISTINCT country FROM customers", "category": "SELECT DISTINCT category FROM products",
            "city": "SELECT DISTINCT city FROM departments", "dept": "SELECT name FROM departments"}
+# The columns a database names its own way (`hide_columns`), and the names each draws from: never the usual one.
+COLUMN_NAMES = {"salary": ("pay", "wage", "earnings"), "hired_year": ("start_year", "joined", "hire_year"),
+                "budget": ("funds", "spend", "allocation"), "city": ("town", "site", "location"),
+                "country": ("nation", "land", "home"), "category": ("kind", "section", "product_type"),
+                "price": ("cost", "list_price", "amount"), "quantity": ("qty", "units", "count_ordered"),
+                "year": ("order_year", "placed", "yr")}
+
+
+def renamed(sql: str, columns: dict[str, str]) -> str:
+    """`sql` (a database's script, a query) with each column of `columns` under its database's name.
+
+    >>> renamed("SELECT d.city FROM employees WHERE hired_year > 2015 AND year = 1", {"city": "town", "year": "placed"})
+    'SELECT d.town FROM employees WHERE hired_year > 2015 AND placed = 1'
+    """
+    if not columns:
+        return sql
+    return re.sub(r"\b(" + "|".join(map(re.escape, columns)) + r")\b", lambda m: columns[m.group(1)], sql)
 
 
 def _company(rng: random.Random, spell=str) -> str:
@@ -234,6 +255,7 @@ class SqlEnv(FileProblems):
                                     TOOL_SCHEMA, None),)
     explore: bool = True  # False: one turn, no run_sql (the one-shot baseline)
     lookup_values: bool = False  # True: each database spells its stored values its own way (SPELLINGS)
+    hide_columns: bool = False  # True: each database names some columns its own way (COLUMN_NAMES), not shown
     cycle_templates: bool = False  # True: a level's problems take its templates in turn (N problems: ~N/T each)
     test_suite: int = 0  # sibling databases the answer must match on as well (generated questions only)
     _files: dict[str, list[Problem]] = field(default_factory=dict, repr=False)
@@ -264,22 +286,27 @@ class SqlEnv(FileProblems):
             spelling = rng.choice(sorted(SPELLINGS)) if self.lookup_values else "plain"
             spell = SPELLINGS[spelling]
             stored = {k: spell(v) if k in LOOKUPS else v for k, v in params.items()}
-            question, gold = question.format(**params), template.format(**stored)
-            script = SCHEMAS[schema](random.Random(db_seed), spell)
+            columns = ({k: random.Random(f"{db_seed}:{k}").choice(v) for k, v in COLUMN_NAMES.items()}
+                       if self.hide_columns else {})
+            question, gold = question.format(**params), renamed(template.format(**stored), columns)
+            script = renamed(SCHEMAS[schema](random.Random(db_seed), spell), columns)
             _, rows = execute(connect(script), gold, self.timeout_s, 10 * self.max_rows)
             if rows and rows[0] != (None,) and rows[0] != (0,):  # a question whose answer is nothing teaches nothing
                 meta = {"schema": schema, "db_seed": db_seed, "gold": gold, "ordered": "ORDER BY" in gold.upper()}
                 if self.lookup_values:
-                    meta |= {"spelling": spelling,
-                             "lookup": next((q for k, q in LOOKUPS.items() if f"{{{k}}}" in template), None)}
+                    lookup = next((q for k, q in LOOKUPS.items() if f"{{{k}}}" in template), None)
+                    meta |= {"spelling": spelling, "lookup": lookup and renamed(lookup, columns)}
+                if self.hide_columns:
+                    meta["columns"] = columns
                 # The database's name is in the prompt: the same question on another database is another problem.
                 prompt = f"Database {schema}-{db_seed}. {self._describe(script)}\nQuestion: {question}"
                 return Problem.make(self.name, level, prompt, gold, meta)
         raise RuntimeError(f"sql: no non-empty question at level {level} in 100 draws")
 
-    @staticmethod
-    def _describe(script: str) -> str:
+    def _describe(self, script: str) -> str:
         tables = [line.split(" (", 1) for line in script.splitlines() if line.startswith("CREATE TABLE")]
+        if self.hide_columns:
+            return "Tables: " + ", ".join(name.removeprefix("CREATE TABLE ") for name, _ in tables) + "."
         return "Tables: " + "; ".join(f"{name.removeprefix('CREATE TABLE ')}({cols.rstrip(');')})"
                                       for name, cols in tables)
 
@@ -322,7 +349,8 @@ class SqlEnv(FileProblems):
             return connect(path=problem.meta["db_path"])
         spell = SPELLINGS[problem.meta.get("spelling", "plain")]
         seed = problem.meta["db_seed"] if sibling is None else f"{problem.meta['db_seed']}/{sibling}"
-        return connect(SCHEMAS[problem.meta["schema"]](random.Random(seed), spell))
+        script = SCHEMAS[problem.meta["schema"]](random.Random(seed), spell)
+        return connect(renamed(script, problem.meta.get("columns", {})))
 
     def episode(self, problem: Problem) -> ToolEpisode:
         return ToolEpisode(self, problem, self.limits)
@@ -386,13 +414,16 @@ class SqlEnv(FileProblems):
     def reference_episode(self, problem: Problem) -> list[Message]:
         """One exploratory query, its result, then the gold query as the answer; with `explore=False`, the answer
         alone. The query looks up how the database spells the value the question filters on (`lookup_values`),
-        or else counts the rows of the first table the gold query reads. It holds no LIMIT: a policy taught
+        or else counts the rows of the first table the gold query reads. With `hide_columns` a first query reads the
+        header of every table the gold query reads, none of their rows. No query holds a LIMIT: a policy taught
         `SELECT * FROM employees LIMIT 3` first answered "the N best-paid" with `LIMIT 3` whatever N was
         (docs/envs.md)."""
         answer = f"```sql\n{problem.meta['gold']}\n```"
         if not self.explore:
             return reference_messages(self, problem, [(answer, None)], self.limits)
-        table = re.search(r"\bFROM\s+(\w+)", problem.meta["gold"], re.I).group(1)
-        query = problem.meta.get("lookup") or f"SELECT count(*) FROM {table}"
-        look = toolcalls.format_call("run_sql", {"query": query})
-        return reference_messages(self, problem, [(look, None), (answer, None)], self.limits)
+        tables = list(dict.fromkeys(re.findall(r"\b(?:FROM|JOIN)\s+(\w+)", problem.meta["gold"], re.I)))
+        queries = [f"SELECT * FROM {', '.join(tables)} WHERE 0"] if "columns" in problem.meta else []
+        if problem.meta.get("lookup") or not queries:
+            queries.append(problem.meta.get("lookup") or f"SELECT count(*) FROM {tables[0]}")
+        looks = [(toolcalls.format_call("run_sql", {"query": q}), None) for q in queries]
+        return reference_messages(self, problem, [*looks, (answer, None)], self.limits)

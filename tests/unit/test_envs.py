@@ -748,6 +748,41 @@ def test_sql_lookup_values_are_spelled_per_database_so_only_a_look_at_the_data_a
         assert "spelling" not in p.meta and re.search(r"'([^']+)'", p.meta["gold"]).group(1) in names
 
 
+def test_sql_hide_columns_names_columns_per_database_so_only_a_look_at_the_tables_answers():
+    """`hide_columns=True`: each database names its columns from COLUMN_NAMES its own way, and the prompt lists its
+    tables without them. The reference episode reads the header of the tables the gold query reads (no rows) and
+    scores 1, on the problem's database and on its siblings; the gold query with the usual names scores 0 wherever a
+    column it reads was renamed. With lookup_values as well, the episode looks at both."""
+    from components.envs.sql import COLUMN_NAMES, renamed
+
+    env = SqlEnv(hide_columns=True, test_suite=2)
+    problems = [p for lv in env.levels() for p in env.sample_problems(lv, 8, seed=5)]
+    drawn = {name for p in problems for name in p.meta["columns"].values()}
+    assert drawn == {name for names in COLUMN_NAMES.values() for name in names}  # every name is some database's
+    records, _ = replay(env, problems)
+    assert [r.reward for r in records] == [1.0] * len(problems)
+    moved = 0
+    for p, rec in zip(problems, records, strict=True):
+        assert re.search(r"\. Tables: [a-z]+(, [a-z]+)+\.\nQuestion: ", p.prompt) and "TEXT" not in p.prompt
+        look, header = [t.content for t in rec.turns if t.role in ("assistant", "tool")][:2]
+        assert "WHERE 0" in look and header.endswith("(0 rows)")
+        usual = {v: k for k, v in p.meta["columns"].items()}
+        plain = renamed(p.meta["gold"], usual)
+        if plain != p.meta["gold"]:
+            moved += 1
+            assert all(name in header for name in p.meta["columns"].values() if name in p.meta["gold"])
+            assert env.score(p, f"```sql\n{plain}\n```") == 0.0
+    assert moved > len(problems) / 2
+    both = SqlEnv(hide_columns=True, lookup_values=True)
+    problems = [p for p in both.sample_problems(3, 6, seed=5)]
+    records, _ = replay(both, problems)
+    assert [r.reward for r in records] == [1.0] * 6
+    assert all(sum(t.role == "tool" for t in rec.turns) == 2 for rec in records)
+    # The default environment shows every column, under its usual name.
+    for p in SqlEnv().sample_problems(1, 4, seed=5):
+        assert "columns" not in p.meta and "name TEXT" in p.prompt
+
+
 def checked(env, scripts: dict[str, list[str]], problems) -> list[tuple[float, bool | None]]:
     """Each problem's scripted episode through the loop: its reward, and the step checker's verdict on its turns
     as the store keeps them."""
