@@ -16,9 +16,9 @@ a style of its own (as written, UPPER, lower, or a three-letter code, `SPELLINGS
 plainly, as BIRD's questions name values the data spells otherwise: a filter on one is right only after a look
 at the data, which the reference episodes take (`SELECT DISTINCT country FROM customers`). With
 `hide_columns=True` each generated database names some of its columns its own way (`COLUMN_NAMES`: `pay`,
-`wage` or `earnings` for the salary) and the prompt lists its tables without their columns, as a database too large for the prompt
-would: a query is right only with this database's names, which the reference episodes read from the tables'
-header (`SELECT * FROM employees, departments WHERE 0`).
+`wage` or `earnings` for the salary) and the prompt lists its tables without their columns, as a database too
+large for the prompt would: a query is right only with this database's names, which the reference episodes read
+from the tables' header (`SELECT * FROM employees, departments WHERE 0`).
 
 Execution is read-only and bounded: an authorizer lets through reads and nothing else (no ATTACH, PRAGMA, writes
 or extensions), a progress handler ends a query past `timeout_s`, and at most `max_rows` rows are fetched. The reward is 1 when the answer's rows equal the gold query's as
