@@ -15,6 +15,9 @@ own way, and the question names them plainly), as experiments of their own (`ben
 `--hide-columns`, on `domain.options.hide_columns=true` (each database names its columns its own way, and the
 prompt lists its tables only), as `bench-sql-columns-*`.
 
+The stand-in is built once a `--workdir` (`coevo build-model --domain sql --size micro --positions 768`); with
+`--copy-steps 800 --standin-seed 1` it is configs/sql.yaml's, trained to copy numbers first.
+
 Reported from the store (`v_round_summary`): held-out greedy execution match per level by round, and the tokens
 each arm sampled (cumulative), with their mean per episode. Written to `--out` (JSON) too.
 """
@@ -48,6 +51,10 @@ def main() -> None:
                     help="domain.options.lookup_values=true in both arms: stored values spelled per database")
     ap.add_argument("--hide-columns", action="store_true",
                     help="domain.options.hide_columns=true in both arms: columns named per database, not in the prompt")
+    ap.add_argument("--copy-steps", type=int, default=0,
+                    help="`coevo build-model --copy-steps` for the stand-in (configs/sql.yaml's header: 800)")
+    ap.add_argument("--standin-seed", type=int, default=0,
+                    help="`coevo build-model --seed` for the stand-in (configs/sql.yaml's header: 1)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from components.store import Store
@@ -56,7 +63,8 @@ def main() -> None:
     model = args.workdir / "standin-sql"
     if not (model / "config.json").exists():
         subprocess.run([str(REPO / ".venv" / "bin" / "coevo"), "build-model", str(model), "--domain", "sql", "--size",
-                        "micro", "--positions", "768"], cwd=REPO, check=True)
+                        "micro", "--positions", "768", "--copy-steps", str(args.copy_steps),
+                        "--seed", str(args.standin_seed)], cwd=REPO, check=True)
     report: dict[str, dict[int, list[dict]]] = {}
     per_episode: dict[str, dict[int, float]] = {}
     for seed in args.seeds:
