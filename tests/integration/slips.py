@@ -3,9 +3,10 @@ tests.integration.slips:SlipPolicy`): what the hindsight and step-checker tests 
 
 `SlipPolicy` is a coding agent: it answers a generated code task at once with its template's solution, and on
 three samples of four with one constant moved to another value of its template's range: the slip a small model
-makes copying a task's numbers (docs/envs.md). A tiny stand-in trained for seconds writes no such program; a policy that writes them on purpose
-puts the filter's relabeling, the store and the training that reads it under test in a minute. The ids it
-returns are the model's tokenizer's encoding of its answer and the chat turn's end, as a sampler's are.
+makes copying a task's numbers (docs/envs.md). A tiny stand-in trained for seconds writes no such program; a
+policy that writes them on purpose puts the filter's relabeling, the store and the training that reads it under
+test in a minute. The ids it returns are the model's tokenizer's encoding of its answer and the chat turn's end,
+as a sampler's are. `ShortcutCalculator` answers calculator questions right in ways the step checker tells apart.
 """
 
 from __future__ import annotations

@@ -78,8 +78,7 @@ def test_the_filter_keeps_the_right_episodes_whose_turns_check_out(checked_run):
         "AND tool_calls = 0", [cfg.experiment])
     _, [(broken,)] = store.query(
         "SELECT sum(calls) FROM v_tool_stats WHERE experiment_id = ? AND round = 1 AND purpose = 'train' "
-        "AND tool_name = 'invalid'",
-        [cfg.experiment])
+        "AND tool_name = 'invalid'", [cfg.experiment])
     assert no_call > 0 and broken > 0
 
 

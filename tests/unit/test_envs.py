@@ -774,7 +774,7 @@ def test_sql_hide_columns_names_columns_per_database_so_only_a_look_at_the_table
             assert env.score(p, f"```sql\n{plain}\n```") == 0.0
     assert moved > len(problems) / 2
     both = SqlEnv(hide_columns=True, lookup_values=True)
-    problems = [p for p in both.sample_problems(3, 6, seed=5)]
+    problems = both.sample_problems(3, 6, seed=5)
     records, _ = replay(both, problems)
     assert [r.reward for r in records] == [1.0] * 6
     assert all(sum(t.role == "tool" for t in rec.turns) == 2 for rec in records)
