@@ -87,10 +87,12 @@ def run(spec: StageSpec, out: StageOutputWriter) -> dict[str, float]:
         correct = correct | {t: True for t in sources}
     purpose = {t["trajectory_id"]: t["purpose"] for t in hindsight.get("trajectories", [])}
     considered = trajs + hindsight.get("trajectories", [])
-    # filter.check_steps checks a replayed episode too, on its turns as replayed.
-    replayed = step_verdicts(domain, hindsight["trajectories"], hindsight["turns"]) if hindsight and f.check_steps else {}
-    rejects = step_rejects([t["trajectory_id"] for t in considered], checker=checker | replayed if f.check_steps else None,
-                           mc_dead_step=mc_dead, **opinions)
+    # filter.check_steps checks a replayed episode too, on its turns as replayed (the judges' metrics, below, read
+    # the sampled ones alone).
+    checked = None
+    if f.check_steps:
+        checked = checker | (step_verdicts(domain, hindsight["trajectories"], hindsight["turns"]) if hindsight else {})
+    rejects = step_rejects([t["trajectory_id"] for t in considered], checker=checked, mc_dead_step=mc_dead, **opinions)
     rows = rft_filter(considered, correct, scores, experiment=spec.experiment, round=spec.round, dedup=f.dedup,
                       max_per_problem=f.max_per_problem, step_rejects=rejects)
     chosen = {r["trajectory_id"] for r in rows if r["selected"]}
@@ -205,7 +207,6 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
                 score_rows: list[dict[str, Any]]) -> dict[str, float]:
     """recipe grpo: every rollout's advantage against its group (`advantages`), and the groups that train
     (`selections`, purpose grpo): those whose rewards differ, up to filter.max_groups."""
-    from components.envs.rollout import is_agent
     from components.rl.advantages import (group_advantages, process_varied_groups, step_advantages,
                                           zero_variance_share)
 
@@ -216,7 +217,8 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     if missing:
         raise ValueError(f"filter: {len(missing)} rollouts have no outcome score, e.g. {missing[0]}")
     domain = domain_of(spec)
-    checked = steps_checked(domain, trajs, outcome, episode_turns(spec, domain)) if cfg.filter.check_steps else {}
+    turns = episode_turns(spec, domain)  # an environment's episodes: read once, for the checker and turn credit
+    checked = steps_checked(domain, trajs, outcome, turns) if cfg.filter.check_steps else {}
     failed = sorted(t for t, ok in checked.items() if not ok)
     if checked:  # rft drops these right answers; here they earn a wrong answer's reward, or keep their own
         zeroed = g.unsound_reward == "zero"
@@ -250,14 +252,14 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
     rows = [r | {"turn_index": -1, "experiment_id": spec.experiment, "round": spec.round, "process": None,
                  "process_return": None, "steps_checked": checked.get(r["trajectory_id"])} for r in rows]
     turn_rows = step_advantages(rows, process, g.shaping_weight) if process else []
-    if is_agent(domain):
-        turn_rows = episode_turn_rows(rows, turn_rows, spec.rows("generate", "turns"))
+    if turns is not None:
+        turn_rows = episode_turn_rows(rows, turn_rows, turns)
     selections = [{"trajectory_id": r["trajectory_id"], "experiment_id": spec.experiment, "round": spec.round,
                    "purpose": "grpo", "selected": r["kept"], "rank": None, "reason": r["reason"], "pair_id": None}
                   for r in rows]
     judged: dict[str, float] = {}
     if cfg.filter.min_step_score is not None:
-        ptx, judged = ptx_judge(spec, trajs, outcome, score_rows, checked)
+        ptx, judged = ptx_judge(spec, trajs, outcome, score_rows, checked, turns)
         selections += ptx
     write(out, advantages=rows + turn_rows, selections=selections)
     groups = {r["group_id"] for r in rows}
@@ -276,14 +278,16 @@ def grpo_groups(spec: StageSpec, out: StageOutputWriter, trajs: list[dict[str, A
 
 
 def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, float], score_rows: list[dict[str, Any]],
-              checked: dict[str, bool]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+              checked: dict[str, bool], turns: list[dict[str, Any]] | None = None,
+              ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """filter.min_step_score under recipe grpo: the round's reward model judges which right answers self-imitation
     (train_policy.grpo.ptx_pool) may train on, as rft's filter judges what its SFT trains on. A right answer whose
     weakest step scores below the threshold (lowered by filter.judge_max_drop, as rft's) is left out, as one whose
     steps fail filter.check_steps is; its reward is left alone. Returns a `selections` row (purpose ptx) for every
     right answer, and the filter's metrics: how many the judge left out, and where the domain has a step checker,
     how the judge agrees with it (evaluation only, as rft's filter reports). `checked`: filter.check_steps' verdict
-    on every right answer where it is set (a failed one's `outcome` is 0 unless unsound_reward=outcome), else {}."""
+    on every right answer where it is set (a failed one's `outcome` is 0 unless unsound_reward=outcome), else {};
+    `turns`: an environment's episodes' rows, which its checker reads (`episode_turns`)."""
     from components.filtering import judge_catch_rates, judge_ranking, judge_threshold
 
     f = spec.cfg().filter
@@ -306,9 +310,8 @@ def ptx_judge(spec: StageSpec, trajs: list[dict[str, Any]], outcome: dict[str, f
     metrics = {"ptx_judged_out": float(len(out))}
     if weakest:
         metrics["judge_min_step_score"] = threshold
-        domain = domain_of(spec)
-        checker = checked or steps_checked(domain, [t for t in right if t["trajectory_id"] in weakest],
-                                           dict.fromkeys(weakest, 1.0), episode_turns(spec, domain))
+        checker = checked or steps_checked(domain_of(spec), [t for t in right if t["trajectory_id"] in weakest],
+                                           dict.fromkeys(weakest, 1.0), turns)
         if checker:  # evaluation only: the checker measures the judge, whether or not it zeroes rewards
             metrics |= judge_catch_rates(dict.fromkeys(weakest, True), checker, out)
             metrics |= judge_ranking(weakest, checker)

@@ -783,16 +783,18 @@ def test_sql_hide_columns_names_columns_per_database_so_only_a_look_at_the_table
         assert "columns" not in p.meta and "name TEXT" in p.prompt
 
 
+def stored_turns(rec, trajectory_id: str = "") -> list[dict]:
+    """An episode's turns as the store keeps the columns a step checker reads."""
+    return [{"trajectory_id": trajectory_id, "turn_index": t.turn_index, "role": t.role, "content": t.content,
+             "tool_name": t.tool_name, "tool_ok": t.ok} for t in rec.turns]
+
+
 def checked(env, scripts: dict[str, list[str]], problems) -> list[tuple[float, bool | None]]:
     """Each problem's scripted episode through the loop: its reward, and the step checker's verdict on its turns
     as the store keeps them."""
     runner = EpisodeRunner(scripted(scripts), toolcalls.parse, env.limits)
-    out = []
-    for p, rec in zip(problems, runner.run([(p, env.episode(p)) for p in problems]), strict=True):
-        rows = [{"turn_index": t.turn_index, "role": t.role, "content": t.content, "tool_name": t.tool_name,
-                 "tool_ok": t.ok} for t in rec.turns]
-        out.append((rec.reward, env.check_episode(p.prompt, rows)))
-    return out
+    return [(rec.reward, env.check_episode(p.prompt, stored_turns(rec)))
+            for p, rec in zip(problems, runner.run([(p, env.episode(p)) for p in problems]), strict=True)]
 
 
 def test_the_step_checker_passes_every_reference_episode_and_no_right_answer_reached_by_a_shortcut(code_env):
@@ -844,9 +846,8 @@ def test_grpo_checks_right_episodes_on_their_turns():
     runner = EpisodeRunner(scripted({p.prompt: [f"#### {p.answer}"]}), toolcalls.parse, env.limits)
     shortcut = runner.run([(p, env.episode(p))])[0]
     reference = replay(env, [p])[0][0]
-    turns = [{"trajectory_id": tid, "turn_index": t.turn_index, "role": t.role, "content": t.content,
-              "tool_name": t.tool_name, "tool_ok": t.ok}
-             for tid, rec in (("ref", reference), ("short", shortcut), ("wrong", shortcut)) for t in rec.turns]
+    turns = [row for tid, rec in (("ref", reference), ("short", shortcut), ("wrong", shortcut))
+             for row in stored_turns(rec, tid)]
     trajs = [{"trajectory_id": tid, "prompt": p.prompt, "completion": ""} for tid in ("ref", "short", "wrong")]
     assert steps_checked(env, trajs, {"ref": 1.0, "short": 1.0, "wrong": 0.0}, turns) == {"ref": True, "short": False}
     assert steps_checked(SqlEnv(explore=False), trajs, {"ref": 1.0, "short": 1.0, "wrong": 0.0}, turns) == {}
